@@ -1,0 +1,172 @@
+"""Offline tiny models: a tokenizer trained in a second and a randomly initialised causal LM.
+
+Tests and the CPU demo must never touch a model hub, yet they should exercise exactly the code
+path real users take (`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(path)`). So we
+write a real HF model directory, then everything else loads it by path.
+
+Tokenizer pitfall (see DESIGN.md): with `model_type=qwen2`, transformers 5 loads `Qwen2Tokenizer`,
+which swaps in Qwen's own normalizer and pre-tokenizer whatever `tokenizer.json` says. So we train
+with exactly that pipeline (NFC, Qwen's split regex, ByteLevel without its own regex): the ids are
+then the same whichever tokenizer class (or transformers version, e.g. inside vLLM) loads it.
+
+Usage: ``python -m arealite.utils.tiny_model OUT_DIR [--hidden-size 256 --layers 4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+# Qwen2's pre-tokenizer regex (digits are split one by one, which also suits arithmetic).
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an is are was what how many much if then so answer question solve compute total "
+    "each has have had more less than and or of to in on for with by from at per left right "
+    "apples books cars dogs cats students people dollars hours minutes days weeks boxes eggs "
+    "plus minus times divided equals sum difference product result count objects image shapes "
+    "red blue green yellow circle square triangle there therefore step first second next final "
+    "system user assistant please think reason carefully put your inside boxed correct wrong "
+    "try again feedback"
+).split()
+
+
+def _training_corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Arithmetic, short English and LaTeX-ish answers: enough to learn useful merges."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+        lines.append(f"What is {a}{op}{b}? {words}. The answer is \\boxed{{{a + b}}}.")
+        lines.append(f"{words} #### {rng.randint(0, 10000)}")
+    return lines
+
+
+def build_tiny_tokenizer(out_dir: str, vocab_size: int = 1024):
+    """Train a byte-level BPE tokenizer (digits split individually) and save it as a HF tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = 2048
+    os.makedirs(out_dir, exist_ok=True)
+    hf_tok.save_pretrained(out_dir)
+    _pin_tokenizer_class(out_dir)
+    return hf_tok
+
+
+def _pin_tokenizer_class(out_dir: str) -> None:
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def build_tiny_model(
+    out_dir: str,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 2048,
+    seed: int = 1,
+) -> str:
+    """Write tokenizer + random Qwen2 causal LM (about 3M parameters by default) into `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = build_tiny_tokenizer(out_dir, vocab_size=vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args(argv)
+    build_tiny_model(
+        a.out_dir,
+        hidden_size=a.hidden_size,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        intermediate_size=a.intermediate_size,
+        seed=a.seed,
+    )
+    print(f"tiny model written to {a.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny offline models are built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random ~3M-parameter Qwen2 + tokenizer on disk, loadable with from_pretrained(path)."""
+    from arealite.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_v2(tmp_path_factory) -> str:
+    """Same architecture and tokenizer, different random weights (for weight-update tests)."""
+    from arealite.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model_v2")), seed=2)
