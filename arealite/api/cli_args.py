@@ -1,0 +1,745 @@
+"""Experiment configuration: dataclasses are the single source of truth.
+
+Every field has a default and a help text (`field(metadata={"help": ...})`); validation lives in
+`__post_init__`, so an impossible config fails when it is loaded, before any process starts.
+`load_expr_config(argv, GRPOConfig)` reads `--config x.yaml` and then dotted `key=value`
+overrides, and names the key (and the closest valid one) when something is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from arealite.api.io_struct import AllocationMode, GenerationHyperparameters
+
+__all__ = [
+    "MISSING",
+    "GenerationHyperparameters",
+    "MicroBatchSpec",
+    "OptimizerConfig",
+    "FSDPConfig",
+    "TrainEngineConfig",
+    "PPOActorConfig",
+    "PPOCriticConfig",
+    "InferenceEngineConfig",
+    "ServerConfig",
+    "DatasetConfig",
+    "SaverConfig",
+    "EvaluatorConfig",
+    "RecoverConfig",
+    "StatsLoggerConfig",
+    "NameResolveConfig",
+    "ClusterConfig",
+    "LauncherConfig",
+    "SlurmConfig",
+    "BaseExperimentConfig",
+    "SFTConfig",
+    "GRPOConfig",
+    "ConfigError",
+    "load_expr_config",
+    "to_yaml",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+# ----------------------------------------------------------------------------- training side
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a batch is split into micro-batches (packed, padding-free)."""
+
+    n_mbs: int = field(default=1, metadata=_help("Minimum number of micro-batches."))
+    max_tokens_per_mb: Optional[int] = field(
+        default=None,
+        metadata=_help("Token budget of one packed micro-batch; None = no budget (n_mbs only)."),
+    )
+
+    def __post_init__(self):
+        if self.n_mbs < 1:
+            raise ConfigError(f"mb_spec.n_mbs must be >= 1, got {self.n_mbs}")
+        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
+            raise ConfigError(
+                f"mb_spec.max_tokens_per_mb must be >= 1 or null, got {self.max_tokens_per_mb}"
+            )
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with warmup and a constant / linear / cosine schedule."""
+
+    type: str = field(default="adamw", metadata=_help("Optimizer: adamw."))
+    lr: float = field(default=1e-5, metadata=_help("Peak learning rate."))
+    weight_decay: float = field(default=0.01, metadata=_help("AdamW weight decay."))
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    min_lr_ratio: float = field(
+        default=0.0, metadata=_help("Final LR as a fraction of peak (linear / cosine).")
+    )
+    lr_scheduler_type: str = field(
+        default="constant", metadata=_help("constant | linear | cosine (after warmup).")
+    )
+    warmup_steps_proportion: float = field(
+        default=0.0, metadata=_help("Fraction of total steps spent in linear warmup.")
+    )
+    gradient_clipping: float = field(
+        default=1.0, metadata=_help("Max global grad norm; <= 0 disables clipping.")
+    )
+
+    def __post_init__(self):
+        _choice("optimizer.type", self.type, ("adamw",))
+        _choice(
+            "optimizer.lr_scheduler_type", self.lr_scheduler_type, ("constant", "linear", "cosine")
+        )
+        if self.lr < 0:
+            raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
+        if not 0 <= self.warmup_steps_proportion <= 1:
+            raise ConfigError(
+                f"optimizer.warmup_steps_proportion must be in [0, 1], got {self.warmup_steps_proportion}"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 knobs."""
+
+    param_dtype: str = field(
+        default="bfloat16", metadata=_help("Mixed-precision parameter dtype (compute).")
+    )
+    reduce_dtype: str = field(default="float32", metadata=_help("Gradient reduction dtype."))
+    offload_params: bool = field(default=False, metadata=_help("CPU-offload parameters (GPU)."))
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            _choice(f"fsdp.{name}", getattr(self, name), ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class TrainEngineConfig:
+    """A model trained by an FSDP2 engine."""
+
+    path: str = field(default="", metadata=_help("HF model directory or hub id."))
+    init_from_scratch: bool = field(
+        default=False, metadata=_help("Random init from the config at `path` (no weights).")
+    )
+    attn_impl: str = field(
+        default="sdpa", metadata=_help("Attention: sdpa | eager | flash_attention_2 (GPU).")
+    )
+    dtype: str = field(default="float32", metadata=_help("Master weight dtype."))
+    gradient_checkpointing: bool = False
+    backend: str = field(default="fsdp", metadata=_help("Training backend: fsdp."))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: Optional[OptimizerConfig] = field(
+        default_factory=OptimizerConfig, metadata=_help("null for forward-only (reference) models.")
+    )
+    is_critic: bool = field(default=False, metadata=_help("Add a scalar value head."))
+    weight_update_bucket_mb: int = field(
+        default=256, metadata=_help("Bucket size for gathering / broadcasting weights.")
+    )
+
+    def __post_init__(self):
+        _choice("attn_impl", self.attn_impl, ("sdpa", "eager", "flash_attention_2"))
+        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("backend", self.backend, ("fsdp",))
+
+
+@dataclass
+class PPOActorConfig(TrainEngineConfig):
+    """The policy: PPO / GRPO and their variants (see `preset`)."""
+
+    preset: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "Apply a named algorithm's defaults before validation: grpo | dr_grpo | dapo | rloo "
+            "| reinforce_pp | gspo | ppo. Explicit fields in the YAML still win."
+        ),
+    )
+    group_size: int = field(default=1, metadata=_help("Samples per prompt (GRPO group)."))
+    ppo_n_minibatches: int = field(default=1, metadata=_help("Optimizer steps per batch."))
+    temperature: float = field(default=1.0, metadata=_help("Sampling temperature (logprobs)."))
+    eps_clip: float = field(default=0.2, metadata=_help("PPO clip epsilon (lower)."))
+    eps_clip_higher: Optional[float] = field(
+        default=None, metadata=_help("DAPO clip-higher upper epsilon; null = eps_clip.")
+    )
+    c_clip: Optional[float] = field(
+        default=None, metadata=_help("Dual-clip constant (> 1) for negative advantages.")
+    )
+    importance_sampling_level: str = field(
+        default="token", metadata=_help("token (PPO) | sequence (GSPO).")
+    )
+    # Reward shaping.
+    reward_scaling: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    overlong_reward_penalty: bool = False
+    overlong_tokens: Optional[int] = None
+    overlong_penalty_factor: Optional[float] = None
+    mask_no_eos_with_zero: bool = field(
+        default=False, metadata=_help("Zero the reward of truncated (no EOS) answers.")
+    )
+    # Advantage estimation.
+    discount: float = 1.0
+    gae_lambda: float = 1.0
+    group_reward_mean_level: str = field(
+        default="group", metadata=_help("Reward baseline: batch | group | none.")
+    )
+    group_reward_std_level: str = field(
+        default="group", metadata=_help("Reward std normaliser: batch | group | none.")
+    )
+    leave_one_out: bool = field(default=False, metadata=_help("RLOO baseline within a group."))
+    adv_norm_mean_level: str = field(
+        default="none", metadata=_help("Token-level advantage mean norm: batch | none.")
+    )
+    adv_norm_std_level: str = field(
+        default="none", metadata=_help("Token-level advantage std norm: batch | none.")
+    )
+    # KL to a reference model.
+    kl_ctl: float = field(default=0.0, metadata=_help("KL penalty coefficient (needs ref)."))
+    kl_estimator: str = field(default="k1", metadata=_help("k1 | k2 | k3."))
+    # Off-policy correction.
+    recompute_logprob: bool = field(
+        default=True, metadata=_help("Recompute logprobs with the current weights before update.")
+    )
+    use_decoupled_loss: bool = field(
+        default=False, metadata=_help("Decoupled PPO: proximal policy = recomputed logprobs.")
+    )
+    behav_imp_weight_cap: Optional[float] = field(
+        default=None, metadata=_help("Mask tokens whose behaviour importance weight exceeds this.")
+    )
+    dynamic_sampling: bool = field(
+        default=False, metadata=_help("Drop groups whose rewards are all equal (DAPO).")
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice(
+            "actor.importance_sampling_level", self.importance_sampling_level, ("token", "sequence")
+        )
+        levels = ("batch", "group", "none")
+        _choice("actor.group_reward_mean_level", self.group_reward_mean_level, levels)
+        _choice("actor.group_reward_std_level", self.group_reward_std_level, levels)
+        _choice("actor.adv_norm_mean_level", self.adv_norm_mean_level, ("batch", "none"))
+        _choice("actor.adv_norm_std_level", self.adv_norm_std_level, ("batch", "none"))
+        _choice("actor.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        if self.group_size < 1:
+            raise ConfigError(f"actor.group_size must be >= 1, got {self.group_size}")
+        if self.ppo_n_minibatches < 1:
+            raise ConfigError(f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
+        if self.c_clip is not None and self.c_clip <= 1:
+            raise ConfigError(f"actor.c_clip must be > 1 (dual clip), got {self.c_clip}")
+        if self.use_decoupled_loss and not self.recompute_logprob:
+            raise ConfigError(
+                "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "
+                "(the proximal policy is the recomputed logprob)"
+            )
+        if self.overlong_reward_penalty and (
+            self.overlong_tokens is None or self.overlong_penalty_factor is None
+        ):
+            raise ConfigError(
+                "actor.overlong_reward_penalty=true needs actor.overlong_tokens and "
+                "actor.overlong_penalty_factor"
+            )
+
+
+# Algorithm presets: field values applied under a user's YAML (see PPOActorConfig.preset).
+ACTOR_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": dict(group_reward_mean_level="group", group_reward_std_level="group"),
+    "dr_grpo": dict(group_reward_mean_level="group", group_reward_std_level="none"),
+    "dapo": dict(
+        group_reward_mean_level="group",
+        group_reward_std_level="group",
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+        dynamic_sampling=True,
+        overlong_reward_penalty=True,
+        overlong_tokens=64,
+        overlong_penalty_factor=1.0,
+    ),
+    "rloo": dict(
+        group_reward_mean_level="group", group_reward_std_level="none", leave_one_out=True
+    ),
+    "reinforce_pp": dict(
+        group_reward_mean_level="none",
+        group_reward_std_level="none",
+        adv_norm_mean_level="batch",
+        adv_norm_std_level="batch",
+    ),
+    "gspo": dict(
+        group_reward_mean_level="group",
+        group_reward_std_level="group",
+        importance_sampling_level="sequence",
+        eps_clip=3e-4,
+        eps_clip_higher=4e-4,
+    ),
+    "ppo": dict(
+        group_reward_mean_level="none",
+        group_reward_std_level="none",
+        adv_norm_mean_level="batch",
+        adv_norm_std_level="batch",
+        gae_lambda=0.95,
+    ),
+}
+
+
+@dataclass
+class PPOCriticConfig(TrainEngineConfig):
+    """The value model for PPO (GAE)."""
+
+    is_critic: bool = True
+    ppo_n_minibatches: int = 1
+    value_eps_clip: float = field(default=0.2, metadata=_help("Value clipping epsilon."))
+
+
+# ----------------------------------------------------------------------------- rollout side
+
+
+@dataclass
+class InferenceEngineConfig:
+    """The rollout client and its staleness control."""
+
+    server_addrs: list[str] = field(
+        default_factory=list,
+        metadata=_help("host:port of each server; empty = from AREAL_LLM_SERVER_ADDRS (launcher)."),
+    )
+    max_concurrent_rollouts: Optional[int] = field(
+        default=None, metadata=_help("Max episodes in flight; null = consumer_batch_size.")
+    )
+    queue_size: Optional[int] = field(
+        default=None, metadata=_help("Bound of the result queue; null = 4 x max concurrency.")
+    )
+    consumer_batch_size: int = field(default=1, metadata=_help("Episodes per training batch."))
+    max_head_offpolicyness: int = field(
+        default=0, metadata=_help("Staleness bound eta; 0 = synchronous RL.")
+    )
+    request_timeout: float = field(default=3600.0, metadata=_help("Seconds per HTTP request."))
+    request_retries: int = field(default=3, metadata=_help("Retries of a failed request."))
+    setup_timeout: float = field(default=120.0, metadata=_help("Seconds to wait for servers."))
+    api_key: Optional[str] = field(default=None, metadata=_help("Bearer token for the servers."))
+    pause_grace_period: float = 0.0
+    reward_timeout: float = field(default=15.0, metadata=_help("Seconds per reward call."))
+    reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
+
+    def __post_init__(self):
+        if self.consumer_batch_size < 1:
+            raise ConfigError(
+                f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}"
+            )
+        if self.max_head_offpolicyness < 0:
+            raise ConfigError(
+                f"rollout.max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}"
+            )
+        if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
+            raise ConfigError(
+                f"rollout.max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}"
+            )
+
+
+@dataclass
+class ServerConfig:
+    """How the launcher starts inference servers (embedded, SGLang or vLLM)."""
+
+    model_path: str = field(default="", metadata=_help("Defaults to actor.path."))
+    dtype: str = field(default="bfloat16", metadata=_help("Server weight dtype."))
+    host: str = field(default="127.0.0.1", metadata=_help("Bind address."))
+    max_batch_size: int = field(default=64, metadata=_help("Embedded server batch cap."))
+    mem_fraction_static: float = field(default=0.8, metadata=_help("SGLang KV memory fraction."))
+    context_length: Optional[int] = None
+    extra_args: list[str] = field(
+        default_factory=list, metadata=_help("Extra command-line args for the server.")
+    )
+    startup_timeout: float = field(default=300.0, metadata=_help("Seconds to become healthy."))
+
+    def __post_init__(self):
+        _choice("server.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
+
+# ----------------------------------------------------------------------------- data and services
+
+
+@dataclass
+class DatasetConfig:
+    path: str = field(
+        default="", metadata=_help("HF hub id, local dir, jsonl/parquet file, or 'arith'.")
+    )
+    type: str = field(default="rl", metadata=_help("rl | sft."))
+    split: str = "train"
+    batch_size: int = field(default=8, metadata=_help("Prompts per step (global)."))
+    shuffle: bool = True
+    num_workers: int = 0
+    drop_last: bool = True
+    max_length: Optional[int] = field(
+        default=None, metadata=_help("Drop (count) rows whose prompt is longer than this.")
+    )
+    # Synthetic arithmetic task knobs (path='arith').
+    size: int = field(default=2000, metadata=_help("Rows of a synthetic dataset."))
+    seed: int = 0
+    max_digits: int = 2
+    n_operands: int = 2
+
+    def __post_init__(self):
+        _choice("dataset.type", self.type, ("rl", "sft"))
+        if self.batch_size < 1:
+            raise ConfigError(f"dataset.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class _FreqConfig:
+    freq_epochs: Optional[int] = field(default=None, metadata=_help("Every N epochs."))
+    freq_steps: Optional[int] = field(default=None, metadata=_help("Every N steps."))
+    freq_secs: Optional[int] = field(default=None, metadata=_help("Every N seconds."))
+
+
+@dataclass
+class SaverConfig(_FreqConfig):
+    """HF checkpoints for export."""
+
+
+@dataclass
+class EvaluatorConfig(_FreqConfig):
+    """Held-out evaluation."""
+
+
+@dataclass
+class RecoverConfig(_FreqConfig):
+    """Recover checkpoints (resume after a crash)."""
+
+    mode: str = field(default="disabled", metadata=_help("disabled | auto | resume."))
+    retries: int = field(default=3, metadata=_help("Launcher retries of a failed run."))
+
+    def __post_init__(self):
+        _choice("recover.mode", self.mode, ("disabled", "auto", "resume"))
+
+
+@dataclass
+class StatsLoggerConfig:
+    """TensorBoard + metrics JSONL always; wandb / swanlab when enabled."""
+
+    wandb_mode: str = field(default="disabled", metadata=_help("disabled | online | offline."))
+    wandb_project: Optional[str] = None
+    swanlab_mode: str = field(default="disabled", metadata=_help("disabled | cloud | local."))
+    print_every: int = field(default=1, metadata=_help("Progress line every N steps."))
+
+    def __post_init__(self):
+        _choice("stats_logger.wandb_mode", self.wandb_mode, ("disabled", "online", "offline"))
+        _choice("stats_logger.swanlab_mode", self.swanlab_mode, ("disabled", "cloud", "local"))
+
+
+@dataclass
+class NameResolveConfig:
+    type: str = field(default="nfs", metadata=_help("nfs (shared filesystem) | ray | etcd."))
+    nfs_record_root: str = field(default="", metadata=_help("Default: <fileroot>/name_resolve."))
+    etcd_address: str = "localhost:2379"
+
+    def __post_init__(self):
+        _choice("cluster.name_resolve.type", self.type, ("nfs", "ray", "etcd"))
+
+
+@dataclass
+class ClusterConfig:
+    fileroot: str = field(default="runs", metadata=_help("Root of run directories."))
+    n_nodes: int = 1
+    n_gpus_per_node: int = field(default=0, metadata=_help("0 = CPU only."))
+    n_cpus_per_node: Optional[int] = None
+    name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
+
+    def __post_init__(self):
+        if self.n_nodes < 1:
+            raise ConfigError(f"cluster.n_nodes must be >= 1, got {self.n_nodes}")
+        if self.n_gpus_per_node < 0:
+            raise ConfigError(f"cluster.n_gpus_per_node must be >= 0, got {self.n_gpus_per_node}")
+
+
+@dataclass
+class SlurmConfig:
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "72:00:00"
+    container_image: Optional[str] = None
+    extra_srun_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LauncherConfig:
+    trainer_port: Optional[int] = field(default=None, metadata=_help("torchrun master port."))
+    env_vars: list[str] = field(
+        default_factory=list, metadata=_help("KEY=VALUE for every process.")
+    )
+    ray_address: Optional[str] = field(default=None, metadata=_help("Ray cluster; null = local."))
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+# ----------------------------------------------------------------------------- experiments
+
+
+@dataclass
+class BaseExperimentConfig:
+    experiment_name: str = field(default=MISSING, metadata=_help("Experiment name (required)."))
+    trial_name: str = field(default=MISSING, metadata=_help("Trial name (required)."))
+    allocation_mode: str = field(default="d1p1t1", metadata=_help("See AllocationMode."))
+    seed: int = 1
+    total_train_epochs: int = 1
+    total_train_steps: Optional[int] = field(
+        default=None, metadata=_help("Stop after this many steps (null = all epochs).")
+    )
+    tokenizer_path: str = field(default="", metadata=_help("Defaults to the model path."))
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: Optional[DatasetConfig] = None
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    def __post_init__(self):
+        try:
+            self._allocation = AllocationMode.from_str(self.allocation_mode)
+        except ValueError as e:
+            raise ConfigError(f"allocation_mode: {e}") from None
+        if self.total_train_epochs < 1:
+            raise ConfigError(f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+
+    @property
+    def allocation(self) -> AllocationMode:
+        return self._allocation
+
+    @property
+    def run_dir(self) -> str:
+        """Where every file of this trial goes: logs, checkpoints, metrics."""
+        return os.path.join(self.cluster.fileroot, self.experiment_name, self.trial_name)
+
+
+@dataclass
+class SFTConfig(BaseExperimentConfig):
+    model: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.train_dataset.type = "sft"
+        if not self.allocation.train_only:
+            raise ConfigError(
+                f"allocation_mode={self.allocation_mode!r}: SFT runs no inference servers; "
+                "use a train-only mode such as 'd2p1t1'"
+            )
+        if not self.model.path:
+            raise ConfigError("model.path is required (an HF model directory or hub id)")
+
+
+@dataclass
+class GRPOConfig(BaseExperimentConfig):
+    allocation_mode: str = "local.d1p1t1+d1p1t1"
+    async_training: bool = field(
+        default=True,
+        metadata=_help("true: prepare_batch (eta from rollout); false: rollout_batch."),
+    )
+    gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    ref: Optional[PPOActorConfig] = field(
+        default=None, metadata=_help("Reference model for the KL term (needs actor.kl_ctl > 0).")
+    )
+    critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
+    server: ServerConfig = field(default_factory=ServerConfig)
+    weight_update: str = field(default="disk", metadata=_help("disk | nccl (GPU)."))
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice("weight_update", self.weight_update, ("disk", "nccl"))
+        if self.allocation.train_only:
+            raise ConfigError(
+                f"allocation_mode={self.allocation_mode!r}: GRPO needs inference servers, e.g. "
+                "'local.d1p1t1+d1p1t1' (embedded), 'sglang.d2p1t1+d2p1t1' or 'vllm.d1p1t1+d1p1t1'"
+            )
+        if not self.actor.path:
+            raise ConfigError("actor.path is required (an HF model directory or hub id)")
+        if self.gconfig.n_samples != self.actor.group_size:
+            raise ConfigError(
+                f"gconfig.n_samples ({self.gconfig.n_samples}) must equal actor.group_size "
+                f"({self.actor.group_size}): advantages are normalised per group of samples"
+            )
+        if self.actor.kl_ctl > 0 and self.ref is None:
+            raise ConfigError("actor.kl_ctl > 0 needs a reference model: set ref.path")
+        if not self.async_training and self.rollout.max_head_offpolicyness != 0:
+            raise ConfigError(
+                "async_training=false is synchronous RL: rollout.max_head_offpolicyness must be 0"
+            )
+        if self.weight_update == "nccl" and self.cluster.n_gpus_per_node == 0:
+            raise ConfigError("weight_update=nccl needs GPUs (cluster.n_gpus_per_node > 0)")
+        if not self.server.model_path:
+            self.server.model_path = self.actor.path
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _valid_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, including keys inside Optional sub-configs."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        sub = _dataclass_in(hints[f.name])
+        if sub is not None:
+            keys.extend(_valid_keys(sub, key + "."))
+    return keys
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass in `hint` (`X` or `Optional[X]`), if any."""
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _suggest(bad_key: str, valid: list[str]) -> str | None:
+    """Closest valid key: same top-level section first, then by leaf-name similarity."""
+    head, _, _ = bad_key.partition(".")
+    leaf = bad_key.rsplit(".", 1)[-1]
+
+    def score(k: str) -> float:
+        same_head = k.partition(".")[0] == head if "." in bad_key else 1.0
+        leaf_ratio = difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio()
+        full_ratio = difflib.SequenceMatcher(None, bad_key, k).ratio()
+        return 0.5 * same_head + leaf_ratio + 0.3 * full_ratio
+
+    best = max(valid, key=score, default=None)
+    if best is None or score(best) < 0.9:
+        return None
+    return best
+
+
+def _flatten(d: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.append(key)
+            out.extend(_flatten(v, key + "."))
+    return out
+
+
+def _check_keys(user_keys: list[str], config_cls: type, source: str) -> None:
+    valid = _valid_keys(config_cls)
+    valid_set = set(valid)
+    for key in user_keys:
+        if key not in valid_set:
+            hint = _suggest(key, valid)
+            msg = f"Unknown config key {key!r} (from {source})"
+            if hint:
+                msg += f"; did you mean {hint!r}?"
+            raise ConfigError(msg)
+
+
+def _apply_presets(merged: Any, user_cfg: Any) -> Any:
+    """Put actor presets *under* the user's values, so explicit keys still win."""
+    preset = OmegaConf.select(user_cfg, "actor.preset", default=None)
+    if preset is None:
+        return merged
+    if preset not in ACTOR_PRESETS:
+        raise ConfigError(
+            f"actor.preset={preset!r} is not allowed; choose one of {list(ACTOR_PRESETS)}"
+        )
+    return OmegaConf.merge(merged, {"actor": ACTOR_PRESETS[preset]}, user_cfg)
+
+
+def load_expr_config(argv: list[str], config_cls: type) -> Any:
+    """Parse `--config FILE.yaml key=value ...` into a validated `config_cls` instance.
+
+    Raises ConfigError naming the key for unknown keys (with the closest valid key), wrong
+    types (key, value, expected type), a missing config file, and failed validation.
+    """
+    parser = argparse.ArgumentParser(add_help=True)
+    parser.add_argument("--config", help="YAML config file")
+    args, overrides = parser.parse_known_args(argv)
+    for o in overrides:
+        if "=" not in o or o.startswith("-"):
+            raise ConfigError(
+                f"Bad override {o!r}: expected dotted key=value, e.g. actor.optimizer.lr=1e-5"
+            )
+
+    layers = []
+    if args.config:
+        if not os.path.isfile(args.config):
+            raise ConfigError(f"Config file not found: {args.config}")
+        file_cfg = OmegaConf.load(args.config)
+        _check_keys(_flatten(OmegaConf.to_container(file_cfg)), config_cls, args.config)
+        layers.append(file_cfg)
+    cli_cfg = OmegaConf.from_dotlist(overrides)
+    _check_keys([o.split("=", 1)[0] for o in overrides], config_cls, "command line")
+    layers.append(cli_cfg)
+
+    schema = OmegaConf.structured(config_cls)
+    try:
+        user_cfg = OmegaConf.merge(*layers)
+        merged = OmegaConf.merge(schema, user_cfg)
+        merged = _apply_presets(merged, user_cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"Missing required config key(s): {', '.join(missing)}")
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except ValidationError as e:
+        raise ConfigError(_type_error_message(e, config_cls)) from None
+    except ConfigKeyError as e:
+        raise ConfigError(f"Config key error: {e.msg} (key {e.full_key!r})") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Invalid config at {getattr(e, 'full_key', '?')!r}: {e.msg}") from None
+
+
+def _expected_type(config_cls: type, dotted_key: str) -> str:
+    """The declared type of `dotted_key` in the schema, e.g. 'float' or 'Optional[int]'."""
+    cls, hint = config_cls, None
+    for part in dotted_key.split("."):
+        if cls is None:
+            return "?"
+        hint = typing.get_type_hints(cls).get(part)
+        cls = _dataclass_in(hint) if hint is not None else None
+    if hint is None:
+        return "?"
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return f"{getattr(args[0], '__name__', args[0])} or null"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _type_error_message(e: ValidationError, config_cls: type) -> str:
+    return (
+        f"Wrong type for config key {e.full_key!r}: got {getattr(e, 'value', None)!r}, "
+        f"expected {_expected_type(config_cls, str(e.full_key))}"
+    )
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved config as YAML (written next to every run's logs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,177 @@
+"""The two engine contracts: a trainer (`TrainEngine`) and a generator (`InferenceEngine`).
+
+Algorithms (PPO actor, SFT) are written against these, so the same training script runs with
+FSDP on a laptop CPU or a GPU cluster, and with SGLang, vLLM or the embedded server for rollouts.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from arealite.api.io_struct import (
+    FinetuneSpec,
+    ModelRequest,
+    ModelResponse,
+    SaveLoadMeta,
+    WeightUpdateMeta,
+)
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from arealite.api.workflow_api import RolloutWorkflow
+
+
+class TrainEngine(abc.ABC):
+    """A model being trained, possibly sharded over ranks.
+
+    Batches are padded TensorDicts `[B, L]` with at least `input_ids` and `attention_mask`;
+    implementations pack them padding-free and split them into micro-batches themselves.
+    Losses are token-weighted: `loss_weight_fn(mb)` gives each micro-batch's weight (e.g. its
+    number of loss tokens), and the engine normalises by the global total across micro-batches
+    and ranks, so the result does not depend on how the batch was split.
+    """
+
+    @abc.abstractmethod
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        """Build the model, optimizer and LR schedule (whose length comes from `ft_spec`).
+
+        `addr` is the process-group rendezvous address, None to use the torchrun environment.
+        """
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the model, optimizer and process groups."""
+
+    def train(self, mode: bool = True) -> TrainEngine:
+        """Switch train/eval mode (dropout etc.); returns self."""
+        return self
+
+    def eval(self) -> TrainEngine:
+        return self.train(False)
+
+    @abc.abstractmethod
+    def train_batch(
+        self,
+        input_: TensorDict,
+        loss_fn: Callable[[torch.Tensor, TensorDict], torch.Tensor],
+        loss_weight_fn: Callable[[TensorDict], float],
+    ) -> dict[str, float]:
+        """One optimizer step on `input_`: forward, `loss_fn(logits, mb)` per micro-batch,
+        backward, gradient clipping, step. Returns stats (grad_norm, lr, ...)."""
+
+    @abc.abstractmethod
+    def eval_batch(
+        self,
+        input_: TensorDict,
+        loss_fn: Callable[[torch.Tensor, TensorDict], torch.Tensor],
+        loss_weight_fn: Callable[[TensorDict], float],
+    ) -> torch.Tensor | None:
+        """The token-weighted loss of `input_` without updating weights."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        input_: TensorDict,
+        output_seqlens: list[int] | None = None,
+        post_hook: Callable[[torch.Tensor, TensorDict], Any] | None = None,
+        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
+    ) -> Any | None:
+        """Inference forward over the batch; `post_hook(logits, mb)` maps each micro-batch's
+        logits (e.g. to per-token logprobs) and `aggregate_fn` joins the results, in the
+        original order of `input_`."""
+
+    @abc.abstractmethod
+    def step_lr_scheduler(self) -> None:
+        """Advance the LR schedule by one step (called once per training step)."""
+
+    @abc.abstractmethod
+    def upload_weights(self, meta: WeightUpdateMeta) -> None:
+        """Publish the current weights for inference servers (disk: write HF safetensors
+        atomically; nccl: broadcast to the servers' process group in buckets)."""
+
+    @abc.abstractmethod
+    def save(self, meta: SaveLoadMeta) -> None:
+        """Save HF weights (export / weight sync) or a DCP checkpoint (recovery)."""
+
+    @abc.abstractmethod
+    def load(self, meta: SaveLoadMeta) -> None:
+        """Inverse of `save`."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """Set the weight version (number of completed policy updates)."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current weight version."""
+
+
+class InferenceEngine(abc.ABC):
+    """A client of one or more inference servers, plus the rollout machinery around it.
+
+    `agenerate` is one token-in/token-out call. `submit`/`wait`/`rollout_batch`/`prepare_batch`
+    run whole episodes of a `RolloutWorkflow` in the background, bounded by the staleness limit
+    (see DESIGN.md, 'Asynchrony and staleness').
+    """
+
+    @abc.abstractmethod
+    def initialize(self, addr: str | list[str] | None = None, train_data_parallel_size: int = 1):
+        """Connect to the servers (addresses from the argument, config or environment) and
+        start the background rollout loop. `train_data_parallel_size` splits the capacity."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Stop the rollout loop and close connections."""
+
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate for one request. Interrupted generations (weight updates) are resumed
+        transparently; every output token records the weight version that produced it."""
+
+    @abc.abstractmethod
+    def update_weights(self, meta: WeightUpdateMeta) -> Future:
+        """Ask every server to load new weights; the future resolves when all have."""
+
+    @abc.abstractmethod
+    def submit(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
+        """Queue one episode of `workflow` on `data` (non-blocking)."""
+
+    @abc.abstractmethod
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """Block until `count` accepted trajectories are ready and return them concatenated."""
+
+    @abc.abstractmethod
+    def rollout_batch(self, data: list[dict[str, Any]], workflow: RolloutWorkflow) -> TensorDict:
+        """Synchronous rollout: submit every item and wait for all of them."""
+
+    @abc.abstractmethod
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> TensorDict:
+        """Asynchronous rollout: keep the pipeline full from `dataloader` (within the
+        staleness bound) and return one batch of accepted trajectories."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop starting new episodes (e.g. around a weight update)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Start new episodes again."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None:
+        """Set the policy version the staleness bound is computed against."""
+
+    @abc.abstractmethod
+    def get_version(self) -> int:
+        """The current policy version."""

@@ -1,0 +1,140 @@
+"""Config loading: YAML + dotted overrides, with errors that name the key."""
+
+import pytest
+
+from arealite.api.cli_args import (
+    ConfigError,
+    GRPOConfig,
+    SFTConfig,
+    load_expr_config,
+    to_yaml,
+)
+from arealite.api.io_struct import AllocationMode, FinetuneSpec, GenerationHyperparameters
+
+
+@pytest.fixture
+def grpo_yaml(tmp_path):
+    p = tmp_path / "grpo.yaml"
+    p.write_text(
+        "experiment_name: e\ntrial_name: t\nactor:\n  path: /some/model\n  group_size: 4\n"
+        "gconfig:\n  n_samples: 4\n"
+    )
+    return str(p)
+
+
+def test_yaml_and_overrides(grpo_yaml):
+    cfg = load_expr_config(
+        ["--config", grpo_yaml, "actor.optimizer.lr=3e-4", "rollout.max_head_offpolicyness=4"],
+        GRPOConfig,
+    )
+    assert isinstance(cfg, GRPOConfig)
+    assert cfg.actor.optimizer.lr == 3e-4
+    assert cfg.rollout.max_head_offpolicyness == 4
+    assert cfg.actor.group_size == 4
+    assert cfg.server.model_path == "/some/model"  # defaults to actor.path
+    assert cfg.run_dir.endswith("e/t")
+    assert "lr: 0.0003" in to_yaml(cfg)
+
+
+def test_unknown_key_suggests_real_field(grpo_yaml):
+    with pytest.raises(ConfigError) as e:
+        load_expr_config(["--config", grpo_yaml, "actor.lrr=1"], GRPOConfig)
+    assert "actor.lrr" in str(e.value) and "actor.optimizer.lr" in str(e.value)
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("experiment_name: e\ntrial_name: t\nactor:\n  path: m\n  eps_clp: 0.1\n")
+    with pytest.raises(ConfigError, match=r"actor\.eps_clp.*bad\.yaml.*actor\.eps_clip"):
+        load_expr_config(["--config", str(p)], GRPOConfig)
+
+
+def test_wrong_type_names_key_value_and_type(grpo_yaml):
+    with pytest.raises(ConfigError) as e:
+        load_expr_config(["--config", grpo_yaml, "actor.optimizer.lr=fast"], GRPOConfig)
+    msg = str(e.value)
+    assert "actor.optimizer.lr" in msg and "fast" in msg and "float" in msg
+
+
+def test_missing_file_names_path():
+    with pytest.raises(ConfigError, match="/no/such/file.yaml"):
+        load_expr_config(["--config", "/no/such/file.yaml"], GRPOConfig)
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match="experiment_name"):
+        load_expr_config(["actor.path=m"], GRPOConfig)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("allocation_mode=d2p1t1", "needs inference servers"),
+        ("allocation_mode=tpu.d1+d1", "unknown generation backend 'tpu'"),
+        ("actor.kl_ctl=0.1", "ref.path"),
+        ("gconfig.n_samples=2", "actor.group_size"),
+        ("actor.c_clip=0.5", "c_clip"),
+        ("actor.optimizer.lr_scheduler_type=exp", "lr_scheduler_type"),
+        ("async_training=false", "max_head_offpolicyness"),
+    ],
+)
+def test_impossible_combinations(grpo_yaml, override, needle):
+    extra = ["rollout.max_head_offpolicyness=2"] if override.startswith("async") else []
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        load_expr_config(["--config", grpo_yaml, override, *extra], GRPOConfig)
+
+
+def test_presets_apply_under_explicit_values(grpo_yaml):
+    cfg = load_expr_config(["--config", grpo_yaml, "actor.preset=dapo"], GRPOConfig)
+    assert cfg.actor.eps_clip_higher == 0.28 and cfg.actor.dynamic_sampling
+    cfg = load_expr_config(
+        ["--config", grpo_yaml, "actor.preset=dapo", "actor.eps_clip_higher=0.3"], GRPOConfig
+    )
+    assert cfg.actor.eps_clip_higher == 0.3
+    with pytest.raises(ConfigError, match="preset"):
+        load_expr_config(["--config", grpo_yaml, "actor.preset=nope"], GRPOConfig)
+
+
+def test_optional_subconfig_created_by_override(grpo_yaml):
+    cfg = load_expr_config(
+        ["--config", grpo_yaml, "ref.path=/ref", "actor.kl_ctl=0.01"], GRPOConfig
+    )
+    assert cfg.ref.path == "/ref" and cfg.ref.optimizer is not None
+
+
+def test_sft_requires_train_only_allocation(tmp_path):
+    with pytest.raises(ConfigError, match="train-only"):
+        load_expr_config(
+            ["experiment_name=e", "trial_name=t", "model.path=m", "allocation_mode=local.d1+d1"],
+            SFTConfig,
+        )
+
+
+def test_allocation_mode_parsing():
+    a = AllocationMode.from_str("sglang.d2p1t1+d2p1t1")
+    assert (a.gen_backend, a.gen_n_servers, a.train_world_size) == ("sglang", 2, 2)
+    a = AllocationMode.from_str("vllm.d1p1t2+d4")
+    assert (a.gen_n_servers, a.gen_world_size, a.train_world_size) == (1, 2, 4)
+    a = AllocationMode.from_str("d2p1t1")
+    assert a.train_only and a.train_world_size == 2 and a.gen_n_servers == 0
+    assert AllocationMode.from_str("local.d1p1t1+d2p1t1").gen_backend == "local"
+    for bad, needle in [
+        ("sglang.d2x1+d1", "'d2x1'"),
+        ("sglang+d1", "must name a backend"),
+        ("mpi.d1+d1", "'mpi'"),
+        ("sglang.d1+d1t2", "only data parallelism"),
+        ("", "Bad parallel strategy"),
+        ("local.d1", "needs a trainer part"),
+    ]:
+        with pytest.raises(ValueError, match=needle.replace("+", r"\+").replace(".", r"\.")):
+            AllocationMode.from_str(bad)
+
+
+def test_io_struct_validation():
+    g = GenerationHyperparameters(n_samples=4, temperature=0.7)
+    assert g.new(n_samples=1).n_samples == 1 and g.n_samples == 4
+    assert GenerationHyperparameters(greedy=True).to_sampling_params()["top_k"] == 1
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationHyperparameters(max_new_tokens=-1)
+    spec = FinetuneSpec(total_train_epochs=3, dataset_size=100, train_batch_size=8)
+    assert spec.steps_per_epoch == 12 and spec.total_train_steps == 36
