@@ -1,0 +1,153 @@
+"""Local launcher: inference servers + torchrun trainer ranks on this machine.
+
+    python -m arealite.launcher.local SCRIPT --config YAML [key=value ...]
+
+Validates the config, starts the servers of the allocation mode, waits for their health (a
+failure shows the server's log tail), exports their addresses, runs the trainer with torchrun,
+keeps per-process logs under `<run_dir>/logs/`, and tears everything down on exit, on Ctrl-C
+and as soon as any process fails. With `recover.mode=auto|resume` a failed trainer is
+restarted up to `recover.retries` times (it resumes from its last recover checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from arealite.api.cli_args import ConfigError, to_yaml
+from arealite.launcher.preflight import check_resources, load_and_check
+from arealite.launcher.process import LaunchError, ProcessSet, install_signal_handlers, log_tail
+from arealite.launcher.servers import SERVER_ADDRS_ENV, plan_servers, wait_healthy
+from arealite.utils.network import find_free_port, find_free_ports
+
+logger = logging.getLogger("arealite.launcher")
+
+
+def visible_gpu_count() -> int:
+    """GPUs on this node, without importing torch (keeps the launcher's start fast)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
+def start_servers(procs: ProcessSet, config, n_gpus: int) -> list[str]:
+    """Start every inference server and wait until all are healthy; returns their addresses."""
+    alloc = config.allocation
+    ports = find_free_ports(alloc.gen_n_servers, config.server.host)
+    roots = [os.path.abspath(config.run_dir)]
+    specs = plan_servers(alloc, config.server, ports, roots, n_gpus)
+    for s in specs:
+        procs.start(f"server{s.index}", s.cmd, s.env, critical=False)
+    for s in specs:
+        child = procs.children[f"server{s.index}"]
+        if not wait_healthy(s.address, config.server.startup_timeout, child.alive):
+            state = "exited" if not child.alive() else "did not become healthy"
+            raise LaunchError(
+                f"inference server {s.index} at {s.address} {state} within "
+                f"{config.server.startup_timeout:.0f}s; log tail ({child.log_path}):\n"
+                f"{log_tail(child.log_path)}"
+            )
+        logger.info("server%d healthy at %s", s.index, s.address)
+    return [s.address for s in specs]
+
+
+def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(n_ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(port),
+        script, *script_args,
+    ]  # fmt: skip
+
+
+def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
+    env = dict(kv.split("=", 1) for kv in config.launcher.env_vars)
+    env.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.allocation.train_world_size))
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    if server_addrs:
+        env[SERVER_ADDRS_ENV] = ",".join(server_addrs)
+    return env
+
+
+def restart_dead_server(procs: ProcessSet, config):
+    """Restart a server that died, on the same port; the client re-admits it once healthy."""
+
+    def on_death(child):
+        logger.warning("%s died (code %s); restarting it", child.name, child.popen.returncode)
+        cmd = child.popen.args
+        procs.start(child.name, list(cmd), critical=False)
+
+    return on_death
+
+
+def failed_ranks_summary(log_path: str) -> str:
+    """'rank 1 exited with code 3' from torchrun's failure report, when it printed one."""
+    try:
+        text = open(log_path, errors="replace").read()
+    except OSError:
+        return "failing rank unknown"
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", text)
+    if not found:
+        return "failing rank unknown"
+    return ", ".join(f"rank {r} exited with code {c}" for r, c in dict(found).items())
+
+
+def run(argv: list[str]) -> int:
+    script, script_args, config = load_and_check(argv)
+    n_gpus = visible_gpu_count() if config.cluster.n_gpus_per_node else 0
+    check_resources(config, n_gpus if config.cluster.n_gpus_per_node else None)
+    log_dir = os.path.join(config.run_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(config.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(config))
+    procs = ProcessSet(log_dir)
+    install_signal_handlers(lambda signum: logger.warning("signal %d: stopping the run", signum))
+    try:
+        addrs = [] if config.allocation.train_only else start_servers(procs, config, n_gpus)
+        attempts = 1 + (config.recover.retries if config.recover.mode != "disabled" else 0)
+        for attempt in range(attempts):
+            port = config.launcher.trainer_port or find_free_port()
+            cmd = trainer_command(script, script_args, config.allocation.train_world_size, port)
+            procs.start("trainer", cmd, trainer_env(config, addrs), stream=True)
+            rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))
+            if rc == 0:
+                logger.info("trainer finished; logs in %s", log_dir)
+                return 0
+            logger.error("trainer exited with code %d (attempt %d/%d)", rc, attempt + 1, attempts)
+        log_path = procs.children["trainer"].log_path
+        raise LaunchError(
+            f"trainer failed with exit code {rc} ({failed_ranks_summary(log_path)}); "
+            f"log tail ({log_path}):\n{log_tail(log_path)}"
+        )
+    finally:
+        procs.stop_all()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        sys.exit(run(sys.argv[1:] if argv is None else argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except LaunchError as e:
+        print(f"launch failed: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

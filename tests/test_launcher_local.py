@@ -1,0 +1,68 @@
+"""The local launcher: fast config failures, torchrun ranks, teardown on failure."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "rank_probe.py")
+
+
+def launch(args, env=None, timeout=120):
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "arealite.launcher.local", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return p, time.monotonic() - t0
+
+
+@pytest.fixture
+def sft_args(tmp_path, tiny_model_dir):
+    return [
+        SCRIPT, "experiment_name=probe", "trial_name=t", f"cluster.fileroot={tmp_path}",
+        f"model.path={tiny_model_dir}", "train_dataset.path=arith", "allocation_mode=d2p1t1",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.lrr=1", "did you mean 'model.optimizer.lr'"),
+        ("allocation_mode=d2p1t2", "only data parallelism"),
+        ("train_dataset.path=/no/such/data.jsonl", "train_dataset.path='/no/such/data.jsonl'"),
+        ("model.path=/no/such/model", "model.path='/no/such/model'"),
+    ],
+)
+def test_bad_config_fails_fast_before_starting(sft_args, tmp_path, override, needle):
+    p, secs = launch([*sft_args, override])
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr
+    assert secs < 5, f"config error took {secs:.1f}s"
+    assert not (tmp_path / "probe" / "t" / "logs").exists()  # nothing was started
+
+
+def test_missing_script_named(tmp_path):
+    p, _ = launch(["/no/script.py", "experiment_name=a", "trial_name=b"])
+    assert p.returncode == 2 and "/no/script.py" in p.stderr
+
+
+@pytest.mark.integration
+def test_two_torchrun_ranks_and_logs(sft_args, tmp_path):
+    p, _ = launch(sft_args)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run_dir = tmp_path / "probe" / "t"
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["WORLD_SIZE"] for r in ranks] == ["2", "2"]
+    assert "rank 1 ok" in (run_dir / "logs" / "trainer.log").read_text()
+    assert (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.integration
+def test_failing_rank_fails_the_run(sft_args):
+    p, _ = launch(sft_args, env={"PROBE_FAIL_RANK": "1"})
+    assert p.returncode == 1
+    assert "trainer failed" in p.stderr and "rank 1 exited with code 3" in p.stderr
