@@ -1,0 +1,483 @@
+"""What every HF-model trainer shares, whatever shards it: loading the model, AdamW and its LR
+schedule, and the padding-free micro-batch loop of `train_batch` / `eval_batch` / `forward`.
+
+Packing. A padded batch `[B, L]` is split into micro-batches under `mb_spec.max_tokens_per_mb`
+and each micro-batch is packed into one row of T real tokens (no padding). Packed sequences
+must never attend to each other:
+- sdpa / eager: `position_ids` restart at 0 per sequence AND a block-diagonal causal 4-D mask
+  `[1, 1, T, T]` (bool for sdpa, additive float for eager) is passed; transformers uses a 4-D
+  mask as is. (position_ids alone are NOT enough with sdpa/eager: checked on transformers 5.23,
+  logits then differ by O(1).) The mask costs T^2 bytes (16 MiB at T=4096), fine at CPU sizes.
+- flash_attention_2 (GPU): position_ids plus `cu_seq_lens_q/k`, `max_length_q/k` (varlen).
+
+Alignment. Every per-token result is aligned with `input_ids`: `logprobs[i]` is
+log p(input_ids[i] | input_ids[:i]), i.e. computed from the logits at position i-1, and is 0
+at each sequence's first token. This is what an inference server reports for generated
+tokens, and `loss_mask[i] = 1` means "token i is a target". Values (critic) and entropies use
+the same shift.
+
+Loss normalisation. `loss_fn(out, mb)` returns the micro-batch's *mean* loss (normalised by
+what `loss_weight_fn(mb)` counts, e.g. loss tokens). Each is scaled by
+`weight(mb) / global_weight * world_size` (global = over micro-batches and ranks); FSDP averages
+gradients over ranks, so the step equals one global token mean, whatever the split.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
+from arealite.api.engine_api import TrainEngine
+from arealite.api.io_struct import FinetuneSpec
+from arealite.utils import distributed as du
+from arealite.utils.data import (
+    MicroBatchList,
+    pack_tensor_dict,
+    split_padded_tensor_dict_into_mb_list,
+)
+from arealite.utils.fsdp import clip_grad_norm_, torch_dtype
+from arealite.utils.functional import gather_logprobs, gather_logprobs_entropy
+
+logger = logging.getLogger("arealite.engine")
+
+# Per-token entries produced by the rollout / algorithm side; each must be [B, L].
+TOKEN_KEYS = (
+    "loss_mask",
+    "logprobs",
+    "versions",
+    "prox_logp",
+    "ref_logp",
+    "advantages",
+    "returns",
+    "values",
+    "kl_rewards",
+)
+
+
+# ----------------------------------------------------------------------------- packing helpers
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """0, 1, ... restarting at every sequence start, [T]."""
+    lens = cu_seqlens.diff().long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[1, 1, T, T] mask letting token q see token k iff same sequence and k <= q.
+
+    dtype=None gives a bool mask (True = attend; sdpa); a float dtype gives the additive form
+    (0 / dtype min) that eager attention adds to its scores."""
+    lens = cu_seqlens.diff().long()
+    T = int(cu_seqlens[-1])
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=cu_seqlens.device), lens)
+    idx = torch.arange(T, device=cu_seqlens.device)
+    allowed = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
+    if dtype is None:
+        return allowed[None, None]
+    mask = torch.zeros(T, T, dtype=dtype, device=cu_seqlens.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def shift_right_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """out[i] = x[i-1] within each packed sequence, 0 at each sequence's first token: turns
+    "computed at position i-1 about token i" into "aligned with token i"."""
+    out = torch.roll(x, 1, dims=0)
+    starts = cu_seqlens[:-1].long()
+    first = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    first[starts[starts < x.shape[0]]] = True
+    return torch.where(first.view(-1, *([1] * (x.ndim - 1))), torch.zeros_like(out), out)
+
+
+def packed_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs [T] (and entropies) of packed `input_ids` under `logits` [T, V] at
+    `temperature`, aligned with input_ids (see module docstring); differentiable."""
+    labels = torch.roll(input_ids, -1)  # label of position j is token j+1
+    if with_entropy:
+        logp, ent = gather_logprobs_entropy(logits, labels, temperature)
+        return shift_right_packed(logp, cu_seqlens), shift_right_packed(ent, cu_seqlens)
+    return shift_right_packed(gather_logprobs(logits, labels, temperature), cu_seqlens)
+
+
+# ----------------------------------------------------------------------------- model / optimizer
+
+
+def load_hf_model(config: TrainEngineConfig) -> nn.Module:
+    """The HF model at `config.path` on CPU: a causal LM, or (critic) the same backbone with a
+    1-output token-classification head. Random parts (init_from_scratch, value head) use a fixed
+    seed so every rank builds identical weights before sharding."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if config.attn_impl == "flash_attention_2" and not torch.cuda.is_available():
+        raise ValueError("attn_impl=flash_attention_2 needs a GPU; use sdpa or eager on CPU")
+    if not config.path:
+        raise ValueError("TrainEngineConfig.path is empty: set it to an HF model directory")
+    hf_config = AutoConfig.from_pretrained(config.path)
+    cls = AutoModelForCausalLM
+    if config.is_critic:
+        cls = AutoModelForTokenClassification
+        hf_config.num_labels = 1
+        hf_config.classifier_dropout = 0.0  # a value head must be deterministic
+    kw = dict(dtype=torch_dtype(config.dtype), attn_implementation=config.attn_impl)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if config.init_from_scratch:
+            model = cls.from_config(hf_config, **kw)
+        else:
+            model = cls.from_pretrained(config.path, config=hf_config, **kw)
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int, min_ratio: float) -> Callable:
+    """LR multiplier: linear warmup to 1 over `warmup_steps`, then constant / linear / cosine
+    decay to `min_ratio` at `total_steps`."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * decay
+
+    return f
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, ft_spec: FinetuneSpec | None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay on 1-D params: biases, norms) and its LR schedule."""
+    if cfg.lr_scheduler_type != "constant" and ft_spec is None:
+        raise ValueError(
+            f"optimizer.lr_scheduler_type={cfg.lr_scheduler_type!r} needs the training length: "
+            "pass a FinetuneSpec to initialize()"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
+    total = ft_spec.total_train_steps if ft_spec else 1
+    warmup = int(cfg.warmup_steps_proportion * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(cfg.lr_scheduler_type, warmup, total, cfg.min_lr_ratio)
+    )
+    return opt, sched
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate_batch(data: Any, required: tuple[str, ...] = ()) -> None:
+    """Reject malformed batches early, naming the field (a bad batch must not reach FSDP
+    collectives, where it would hang the other ranks or train on garbage)."""
+    if not isinstance(data, TensorDict):
+        raise TypeError(f"a batch must be a TensorDict with batch size [B], got {type(data)}")
+    for key in ("input_ids", "attention_mask", *required):
+        if key not in data.keys():
+            raise KeyError(f"batch has no {key!r} entry (keys: {sorted(data.keys())})")
+    ids, mask = data["input_ids"], data["attention_mask"]
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    for key in ("attention_mask", *TOKEN_KEYS):
+        if key in data.keys() and tuple(data[key].shape[:2]) != tuple(ids.shape):
+            raise ValueError(
+                f"{key} has shape {tuple(data[key].shape)}, expected [B, L] = {tuple(ids.shape)} "
+                "like input_ids"
+            )
+    if ids.shape[0] == 0:
+        return
+    m = mask.long()
+    if bool(((m != 0) & (m != 1)).any()) or bool((m.diff(dim=1) > 0).any()):
+        raise ValueError("attention_mask must be 0/1 and right-padded (ones, then zeros)")
+    empty = (m.sum(1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty[:8]} have no tokens (attention_mask all zero)")
+    for key in TOKEN_KEYS:
+        if key in data.keys() and data[key].is_floating_point():
+            bad = ~torch.isfinite(data[key]) & mask.bool().view(
+                *mask.shape, *[1] * (data[key].ndim - 2)
+            )
+            if bool(bad.any()):
+                raise ValueError(f"{key} has non-finite values at {bad.nonzero()[:4].tolist()}")
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+class BaseHFEngine(TrainEngine):
+    """The micro-batch loop over an HF model; subclasses build `self.model` (sharded or not),
+    `self.optimizer` and `self.lr_scheduler` in `initialize`."""
+
+    def __init__(self, config: TrainEngineConfig):
+        self.config = config
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.device = torch.device("cpu")
+        self._version = 0
+
+    # -- small API ---------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> BaseHFEngine:
+        if self.model is not None:
+            self.model.train(mode)
+        return self
+
+    def step_lr_scheduler(self) -> None:
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def get_version(self) -> int:
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids of the model (config and generation config), e.g. to detect truncation."""
+        ids: list[int] = []
+        for cfg in (self.model.config, getattr(self.model, "generation_config", None)):
+            e = getattr(cfg, "eos_token_id", None)
+            ids.extend(e if isinstance(e, list) else [] if e is None else [e])
+        return sorted(set(ids))
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialized: call initialize()")
+
+    # -- micro-batches -----------------------------------------------------------------------
+
+    def _pack(self, mb: TensorDict) -> dict[str, Any]:
+        packed = pack_tensor_dict(mb)
+        packed["position_ids"] = packed_position_ids(packed["cu_seqlens"])
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in packed.items()}
+
+    def _dummy_mb(self) -> dict[str, Any]:
+        """A 1-token micro-batch for ranks with less data: FSDP collectives must match."""
+        cu = torch.tensor([0, 1], dtype=torch.int32)
+        packed = dict(
+            input_ids=torch.zeros(1, dtype=torch.long),
+            position_ids=torch.zeros(1, dtype=torch.long),
+            cu_seqlens=cu,
+            max_seqlen=1,
+            seq_keys=("input_ids",),
+            dummy=True,
+        )
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in packed.items()}
+
+    def prepare_mbs(
+        self, input_: TensorDict, required: tuple[str, ...] = ()
+    ) -> tuple[list[dict[str, Any]], MicroBatchList | None] | None:
+        """Validate, split under the token budget and pack. Every rank returns the same number
+        of micro-batches (dummies pad the short ones, at the end); None if all ranks are empty."""
+        validate_batch(input_, required)
+        n_seqs = input_.batch_size[0]
+        if sum(du.all_gather_int(n_seqs)) == 0:
+            return None
+        spec = self.config.mb_spec
+        mbl = None
+        if n_seqs:
+            mbl = split_padded_tensor_dict_into_mb_list(input_, spec.max_tokens_per_mb, spec.n_mbs)
+        n_local = len(mbl) if mbl else 0
+        n_max = int(du.all_reduce_max([n_local])[0])
+        if 0 < n_local < n_max:  # rebalance into as many micro-batches as the busiest rank
+            alt = split_padded_tensor_dict_into_mb_list(input_, spec.max_tokens_per_mb, n_max)
+            mbl = alt if len(alt) <= n_max else mbl
+        mbs = [self._pack(mb) for mb in mbl.mbs] if mbl else []
+        mbs += [self._dummy_mb() for _ in range(n_max - len(mbs))]
+        return mbs, mbl
+
+    def _model_inputs(self, mb: dict[str, Any]) -> dict[str, Any]:
+        cu = mb["cu_seqlens"]
+        kw: dict[str, Any] = dict(
+            input_ids=mb["input_ids"][None], position_ids=mb["position_ids"][None], use_cache=False
+        )
+        impl = self.config.attn_impl
+        if impl == "flash_attention_2":
+            kw.update(
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=mb["max_seqlen"],
+                max_length_k=mb["max_seqlen"],
+            )
+        else:
+            dtype = torch_dtype(self.config.fsdp.param_dtype) if impl == "eager" else None
+            kw["attention_mask"] = block_causal_mask(cu, dtype)
+        return kw
+
+    def forward_mb(self, mb: dict[str, Any]) -> torch.Tensor:
+        """Logits [T, V] of one packed micro-batch (values [T], float32, for a critic; not yet
+        shifted to token alignment)."""
+        out = self.model(**self._model_inputs(mb)).logits[0]
+        return out.squeeze(-1).float() if self.config.is_critic else out
+
+    # -- TrainEngine -------------------------------------------------------------------------
+
+    def train_batch(
+        self,
+        input_: TensorDict,
+        loss_fn: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
+        loss_weight_fn: Callable[[dict[str, Any]], float],
+    ) -> dict[str, float]:
+        """One optimizer step over the (per-rank) batch. `loss_fn(out, mb)` and
+        `loss_weight_fn(mb)` receive the packed micro-batch: a dict of [T] token entries plus
+        `cu_seqlens`, `position_ids` and per-sequence entries. Empty global batches or a zero
+        total weight skip the step with a warning."""
+        self._require_model()
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this engine has no optimizer (config.optimizer is null): forward only"
+            )
+        prepared = self.prepare_mbs(input_)
+        if prepared is None:
+            return self._skipped("the batch is empty on every rank")
+        mbs = prepared[0]
+        weights = [0.0 if mb.get("dummy") else float(loss_weight_fn(mb)) for mb in mbs]
+        total = du.all_reduce_sum([sum(weights)])[0]
+        if total <= 0:
+            return self._skipped("the total loss weight is 0 (e.g. no loss tokens)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, scale = 0.0, du.world_size() / total
+        for mb, w in zip(mbs, weights):
+            out = self.forward_mb(mb)
+            if mb.get("dummy"):
+                loss = out.float().sum() * 0.0
+            else:
+                loss = loss_fn(out, mb)
+                loss_sum += float(loss.detach()) * w
+                loss = loss * (w * scale)
+            loss.backward()
+        grad_norm = clip_grad_norm_(
+            list(self.model.parameters()), self.config.optimizer.gradient_clipping
+        )
+        ok = math.isfinite(grad_norm)
+        if ok:
+            self.optimizer.step()
+        else:
+            warnings.warn(f"non-finite grad norm {grad_norm}: optimizer step skipped", stacklevel=2)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, n_tokens, n_seqs = du.all_reduce_sum(
+            [loss_sum, float(input_["attention_mask"].sum()), float(input_.batch_size[0])]
+        )
+        return dict(
+            loss=loss_sum / total,
+            grad_norm=grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+            update_successful=float(ok),
+            loss_weight=total,
+            n_tokens=n_tokens,
+            n_seqs=n_seqs,
+            n_mbs=float(len(mbs)),
+        )
+
+    def _skipped(self, why: str) -> dict[str, float]:
+        warnings.warn(f"train_batch skipped: {why}", stacklevel=3)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+        return dict(loss=0.0, grad_norm=0.0, lr=lr, update_successful=0.0, n_tokens=0.0, n_seqs=0.0)
+
+    @torch.no_grad()
+    def eval_batch(
+        self,
+        input_: TensorDict,
+        loss_fn: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
+        loss_weight_fn: Callable[[dict[str, Any]], float],
+    ) -> torch.Tensor | None:
+        """The global weighted loss (same normalisation as `train_batch`); None if empty."""
+        self._require_model()
+        prepared = self.prepare_mbs(input_)
+        if prepared is None:
+            return None
+        loss_sum, weight = 0.0, 0.0
+        for mb in prepared[0]:
+            out = self.forward_mb(mb)
+            if not mb.get("dummy"):
+                w = float(loss_weight_fn(mb))
+                loss_sum += float(loss_fn(out, mb)) * w
+                weight += w
+        loss_sum, weight = du.all_reduce_sum([loss_sum, weight])
+        return None if weight <= 0 else torch.tensor(loss_sum / weight)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_: TensorDict,
+        output_seqlens: list[int] | None = None,
+        post_hook: Callable[[torch.Tensor, dict[str, Any]], Any] | None = None,
+        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
+    ) -> Any | None:
+        """Forward-only over the batch, results in the original order.
+
+        `post_hook(out, mb)` maps a micro-batch's logits [T, V] to per-token results [T, ...]
+        (default: the logits). Without `output_seqlens`, each sequence's result is padded to
+        `[1, L, ...]` so the default `torch.cat` gives `[B, L, ...]` aligned with `input_ids`;
+        with `output_seqlens` (one length per sequence) results are split by those lengths and
+        `aggregate_fn` receives the list of per-sequence tensors.
+        """
+        self._require_model()
+        prepared = self.prepare_mbs(input_)
+        if prepared is None:
+            return None
+        mbs, mbl = prepared
+        per_seq: list[torch.Tensor] = []
+        for j, mb in enumerate(mbs):
+            out = self.forward_mb(mb)
+            if mb.get("dummy"):
+                continue
+            res = post_hook(out, mb) if post_hook else out
+            if output_seqlens is None:
+                lens = mb["cu_seqlens"].diff().tolist()
+            else:
+                lens = [output_seqlens[i] for i in mbl.group_indices[j]]
+            per_seq.extend(torch.split(res, lens))
+        per_seq = [per_seq[i] for i in mbl.backward_indices]
+        if output_seqlens is None:
+            L = input_["attention_mask"].shape[1]
+            per_seq = [_pad_to(x, L)[None] for x in per_seq]
+        return aggregate_fn(per_seq)
+
+    def compute_logprobs(
+        self, input_: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-token logprobs [B, L] (float32, 0 at position 0 and on padding) of the batch at
+        `temperature`; with `with_entropy`, also the entropies [B, L]."""
+
+        def hook(logits, mb):
+            out = packed_logprobs(
+                logits, mb["input_ids"], mb["cu_seqlens"], temperature, with_entropy
+            )
+            return torch.stack(out, -1) if with_entropy else out
+
+        res = self.forward(input_, post_hook=hook)
+        if res is None or not with_entropy:
+            return None if res is None else res.cpu()
+        return res[..., 0].cpu(), res[..., 1].cpu()
+
+
+def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[0] == length:
+        return x
+    return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])

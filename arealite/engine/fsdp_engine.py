@@ -1,0 +1,315 @@
+"""FSDPEngine: an HF model trained with PyTorch FSDP2 over all trainer ranks.
+
+One rank per process (torchrun), a 1-D data-parallel device mesh, gloo on CPU and NCCL on GPU.
+Also where weights leave the trainer: HF checkpoints (export, disk weight sync), DCP
+checkpoints (recovery, with optimizer / LR schedule / RNG), and the NCCL broadcast to SGLang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import os
+import shutil
+from typing import Any
+
+import requests
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from arealite.api.cli_args import TrainEngineConfig
+from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from arealite.engine.base_hf_engine import BaseHFEngine, build_optimizer, load_hf_model, logger
+from arealite.utils import distributed as du
+from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
+from arealite.utils.save_load import (
+    atomic_dir,
+    copy_non_weight_files,
+    load_safetensors_dir,
+    rng_state,
+    set_rng_state,
+    swap_in,
+    tmp_sibling,
+    write_safetensors_shards,
+)
+
+SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+
+
+class FSDPEngine(BaseHFEngine):
+    """`FSDPEngine(config).initialize(addr=None, ft_spec=spec)`; see BaseHFEngine for the
+    training API and TrainEngine for the contract."""
+
+    def __init__(self, config: TrainEngineConfig):
+        super().__init__(config)
+        self.mesh = None
+        self._dist_joined = False
+        self._weight_group = None  # NCCL group trainer rank 0 + inference servers
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None) -> None:
+        du.init_distributed(addr)
+        self._dist_joined = True
+        self.device = du.current_device()
+        self.mesh = init_device_mesh(self.device.type, (du.world_size(),), mesh_dim_names=("dp",))
+        if self.device.type == "cpu" and self.config.fsdp.param_dtype != "float32":
+            logger.info(
+                "FSDP computes in %s on CPU: logprobs differ from an fp32 server by ~1e-2; "
+                "set fsdp.param_dtype=float32 for exact train/inference agreement",
+                self.config.fsdp.param_dtype,
+            )
+        model = load_hf_model(self.config)
+        fs = self.config.fsdp
+        self.model = apply_fsdp2(
+            model,
+            self.mesh,
+            fs.param_dtype,
+            fs.reduce_dtype,
+            fs.offload_params,
+            fs.reshard_after_forward,
+        )
+        if self.config.optimizer is not None:
+            self.optimizer, self.lr_scheduler = build_optimizer(
+                self.model, self.config.optimizer, ft_spec
+            )
+
+    def destroy(self) -> None:
+        self.model = self.optimizer = self.lr_scheduler = None
+        self._weight_group = None
+        gc.collect()
+        if self._dist_joined:
+            self._dist_joined = False
+            du.release_distributed()
+
+    # -- HF checkpoints ----------------------------------------------------------------------
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """HF: safetensors shards + config + tokenizer files into meta.path (atomically).
+        DCP: sharded model (+ optimizer and LR schedule with `with_optim`) + RNG states."""
+        self._require_model()
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, meta.tokenizer, meta.base_model_path)
+        else:
+            self._save_dcp(meta.path, meta.with_optim)
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        self._require_model()
+        if meta.weight_format == "hf":
+            self._load_hf(meta.path)
+        else:
+            self._load_dcp(meta.path, meta.with_optim)
+
+    def _bucket_bytes(self, mb: int | None = None) -> int:
+        return int((mb or self.config.weight_update_bucket_mb) * (1 << 20))
+
+    def _save_hf(
+        self, path: str, tokenizer: Any = None, base_model_path: str | None = None
+    ) -> None:
+        """Gather one bucket of full tensors at a time; rank 0 writes it as one safetensors
+        shard, so peak extra memory is about one bucket, not a second model copy."""
+        buckets = plan_buckets(self.model, self._bucket_bytes())
+        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=du.is_main())
+        if not du.is_main():
+            for _ in gathered:  # take part in the collectives only
+                pass
+            du.barrier()
+            return
+        with atomic_dir(path) as tmp:
+            copy_non_weight_files(base_model_path or self.config.path, tmp)
+            shards = (_to_original_names(self.model, b) for b in gathered)
+            write_safetensors_shards(shards, len(buckets), tmp)
+            self.model.config.save_pretrained(tmp)
+            gen_cfg = getattr(self.model, "generation_config", None)
+            if gen_cfg is not None and not self.config.is_critic:
+                gen_cfg.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        du.barrier()
+
+    def _load_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = load_safetensors_dir(path)
+        names = self.model.state_dict(keep_vars=True)
+        by_id = {}
+        for name, t in names.items():  # tied weights: fill aliases from the stored name
+            by_id.setdefault(id(t), name)
+            if name not in full and by_id[id(t)] in full:
+                full[name] = full[by_id[id(t)]]
+        missing = sorted(set(names) - set(full))
+        if missing:
+            raise KeyError(f"HF checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:4]}")
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, {k: full[k] for k in names}, options=opts)
+
+    # -- DCP checkpoints ---------------------------------------------------------------------
+
+    def _dcp_state(self, with_optim: bool) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        state = {"model": get_model_state_dict(self.model)}
+        if with_optim and self.optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return state
+
+    def _save_dcp(self, path: str, with_optim: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        staged = tmp_sibling(path, "dcp-tmp")
+        if du.is_main():
+            shutil.rmtree(staged, ignore_errors=True)
+        du.barrier()
+        dcp.save(self._dcp_state(with_optim), checkpoint_id=staged)
+        extra = {"rng": rng_state(), "version": self._version}
+        if with_optim and self.lr_scheduler is not None:
+            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+        torch.save(extra, os.path.join(staged, f"extra_state_rank{du.rank()}.pt"))
+        du.barrier()
+        if du.is_main():
+            swap_in(staged, path)
+        du.barrier()
+
+    def _load_dcp(self, path: str, with_optim: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no DCP checkpoint at {path}")
+        state = self._dcp_state(with_optim)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["model"])
+        if "optim" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        extra_path = os.path.join(path, f"extra_state_rank{du.rank()}.pt")
+        if not os.path.exists(extra_path):  # resumed with more ranks than saved
+            extra_path = os.path.join(path, "extra_state_rank0.pt")
+        extra = torch.load(extra_path, weights_only=False)
+        set_rng_state(extra["rng"])
+        self._version = extra["version"]
+        if with_optim and self.lr_scheduler is not None and "lr_scheduler" in extra:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+    # -- weight sync to inference servers ----------------------------------------------------
+
+    def upload_weights(self, meta: WeightUpdateMeta) -> None:
+        """disk: an HF checkpoint at meta.path (atomic; rank 0 writes), then a barrier so the
+        caller may tell the servers to reload. nccl: broadcast to the servers (GPU)."""
+        self._require_model()
+        if meta.type == "disk":
+            self._save_hf(meta.path)
+        elif meta.type == "nccl":
+            self._broadcast_weights(meta)
+        else:
+            raise ValueError(f"unknown weight update type {meta.type!r}")
+
+    def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
+        """SGLang's distributed update: per bucket, rank 0 posts the names/dtypes/shapes to
+        every server's /update_weights_from_distributed and broadcasts the tensors (src 0) in
+        the group made by /init_weights_update_group; other ranks only help gather."""
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                "weight_update=nccl needs GPUs; use WeightUpdateMeta.from_disk on CPU"
+            )
+        addrs = _server_addrs(meta)
+        if du.is_main() and self._weight_group is None:
+            self._weight_group = _init_weight_group(meta, addrs)
+        buckets = plan_buckets(self.model, self._bucket_bytes(meta.bucket_size_mb))
+        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=False)
+        for i, bucket in enumerate(gathered):
+            if du.is_main():
+                bucket = _to_original_names(self.model, bucket)
+                _post_and_broadcast(
+                    meta, addrs, bucket, self._weight_group, last=i == len(buckets) - 1
+                )
+            del bucket
+        du.barrier()
+
+
+def _to_original_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Module names -> the checkpoint names HF would save (they differ for some models, e.g.
+    VLMs renamed in transformers 5); identity where no conversion is registered."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older transformers: module names are checkpoint names
+        return tensors
+    return revert_weight_conversion(model, tensors)
+
+
+def _server_addrs(meta: WeightUpdateMeta) -> list[str]:
+    addrs = getattr(meta, "server_addrs", None) or os.environ.get(SERVER_ADDRS_ENV, "").split(",")
+    addrs = [a.strip() for a in addrs if a and a.strip()]
+    if not addrs:
+        raise ValueError(
+            f"nccl weight update needs server addresses (meta.server_addrs or ${SERVER_ADDRS_ENV})"
+        )
+    return addrs
+
+
+def _post_all(
+    addrs: list[str], endpoint: str, payloads: list[dict]
+) -> list[concurrent.futures.Future]:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(addrs))
+    futs = [
+        pool.submit(requests.post, f"http://{a}/{endpoint}", json=p, timeout=600)
+        for a, p in zip(addrs, payloads)
+    ]
+    pool.shutdown(wait=False)
+    return futs
+
+
+def _check(futs: list[concurrent.futures.Future], what: str) -> None:
+    for f in futs:
+        r = f.result()
+        body = r.json() if r.ok else {"success": False, "message": r.text}
+        if not body.get("success", True):
+            raise RuntimeError(f"{what} failed on a server: {body.get('message')}")
+
+
+def _init_weight_group(meta: WeightUpdateMeta, addrs: list[str]) -> dist.ProcessGroup:
+    """Rank 0 of the trainer is rank 0 of the group; server i's TP ranks follow."""
+    tp = int(getattr(meta, "gen_tp_size", 1))
+    world = 1 + tp * len(addrs)
+    payloads = [
+        dict(
+            master_address=meta.nccl_master_address,
+            master_port=meta.nccl_master_port,
+            rank_offset=1 + i * tp,
+            world_size=world,
+            group_name=meta.nccl_group_name,
+            backend="nccl",
+        )
+        for i in range(len(addrs))
+    ]
+    futs = _post_all(addrs, "init_weights_update_group", payloads)
+    group = du.init_custom_process_group(
+        "nccl",
+        f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
+        world,
+        0,
+        meta.nccl_group_name,
+    )
+    _check(futs, "init_weights_update_group")
+    return group
+
+
+def _post_and_broadcast(meta, addrs, bucket: dict[str, torch.Tensor], group, last: bool) -> None:
+    payload = dict(
+        names=list(bucket),
+        dtypes=[str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+        shapes=[list(t.shape) for t in bucket.values()],
+        group_name=meta.nccl_group_name,
+        flush_cache=last,
+        weight_version=str(meta.version),
+    )
+    futs = _post_all(addrs, "update_weights_from_distributed", [payload] * len(addrs))
+    for t in bucket.values():
+        dist.broadcast(t, src=0, group=group)
+    _check(futs, "update_weights_from_distributed")
