@@ -1,0 +1,73 @@
+"""Datasets by name: `get_custom_dataset(path, rank, world_size, type="rl"|"sft", ...)`.
+
+`path` picks the task: "arith" (synthetic arithmetic, see arith.py), a GSM8K hub id
+("openai/gsm8k") or a local GSM8K-format .jsonl / .parquet file or directory (see gsm8k.py).
+The result is a `datasets.Dataset` (map-style, so StatefulDataLoader can checkpoint its position)
+holding this rank's shard; every rank builds the same rows and keeps a disjoint contiguous slice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from arealite.dataset.arith import get_arith_dataset
+from arealite.dataset.common import DatasetFormatError, drop_long_rows
+from arealite.dataset.gsm8k import get_gsm8k_dataset, write_synthetic_gsm8k_jsonl
+
+__all__ = [
+    "ARITH_KWARGS",
+    "DatasetFormatError",
+    "get_custom_dataset",
+    "shard_dataset",
+    "write_synthetic_gsm8k_jsonl",
+]
+
+# Knobs of the synthetic arithmetic task (DatasetConfig.size / seed / max_digits / n_operands).
+ARITH_KWARGS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction")
+
+
+def shard_dataset(ds: Any, rank: int, world_size: int) -> Any:
+    """This rank's contiguous shard; shards of all ranks partition the dataset."""
+    from datasets.distributed import split_dataset_by_node
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+
+
+def get_custom_dataset(
+    path: str,
+    rank: int = 0,
+    world_size: int = 1,
+    type: str = "rl",
+    split: str = "train",
+    tokenizer: Any = None,
+    processor: Any = None,
+    max_length: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """This rank's shard of dataset `path`, as RL rows (messages, answer, query_id) or SFT rows
+    (input_ids, loss_mask). Rows longer than `max_length` tokens are dropped (and counted in
+    the log) before sharding, so every rank drops the same rows."""
+    if type not in ("rl", "sft"):
+        raise ValueError(f"dataset type must be 'rl' or 'sft', got {type!r}")
+    if tokenizer is None and processor is not None:
+        tokenizer = getattr(processor, "tokenizer", None)
+    if type == "sft" and tokenizer is None:
+        raise ValueError(f"SFT dataset {path!r} needs a tokenizer")
+    unknown = set(kwargs) - set(ARITH_KWARGS)
+    if unknown:
+        raise TypeError(f"get_custom_dataset got unknown arguments {sorted(unknown)}")
+    if path == "arith":
+        ds = get_arith_dataset(split, type, tokenizer, **kwargs)
+    elif "gsm8k" in path.lower() or os.path.exists(path):
+        # The arithmetic knobs (always present in DatasetConfig) mean nothing here.
+        ds = get_gsm8k_dataset(path, split, type, tokenizer)
+    else:
+        raise ValueError(
+            f"Unknown dataset {path!r}: use 'arith', a GSM8K hub id ('openai/gsm8k'), or a local "
+            "GSM8K-format .jsonl / .parquet file or directory"
+        )
+    ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}")
+    return shard_dataset(ds, rank, world_size)
