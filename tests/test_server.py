@@ -310,15 +310,72 @@ def test_auth_and_server_survives_bad_requests(server):
 
 
 @pytest.mark.integration
-def test_introspection_and_unimplemented_distributed_update(server, tiny_model_dir):
+def test_introspection_endpoints(server, tiny_model_dir):
     info = requests.get(f"{server.url}/get_model_info", headers=AUTH, timeout=10).json()
     assert info["model_path"] == tiny_model_dir and info["dtype"] == "float32"
-    for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
-        status, res = post(server, path, {})
-        assert status == 501 and not res["success"] and "not implemented" in res["message"]
+    assert (
+        requests.get(f"{server.url}/get_server_info", headers=AUTH, timeout=10).json()["tp_size"]
+        == 1
+    )
     assert post(server, "/flush_cache")[0] == 200
+    generate(server, [5, 6], max_new_tokens=2, ignore_eos=True)
     assert metric(server, 'requests_total{finish_reason="length"}') > 0
     assert metric(server, "generation_tokens_total") > 0
+
+
+@pytest.mark.integration
+def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_dir_v2):
+    """This process plays trainer rank 0 and broadcasts v2 weights in two buckets."""
+    import concurrent.futures
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from arealite.utils.distributed import init_custom_process_group
+    from arealite.utils.network import find_free_port
+
+    p = prompts(1, seed=7)[0]
+    sp = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir_v2})[0] == 200
+    want = generate(server, p, **sp)["output_ids"]
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    assert generate(server, p, **sp)["output_ids"] != want
+
+    if not torch.cuda.is_available():  # NCCL on a CPU server: a clear refusal, not a hang
+        status, res = post(server, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1,
+            "world_size": 2, "group_name": "g", "backend": "nccl"})  # fmt: skip
+        assert status == 501 and "nccl" in res["message"]
+
+    port, name = find_free_port(), "test_weight_group"
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": name, "backend": "gloo"}  # fmt: skip
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    joined = pool.submit(post, server, "/init_weights_update_group", init)
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, name)
+    try:
+        status, res = joined.result(60)
+        assert status == 200 and res["success"], res
+        state = load_file(f"{tiny_model_dir_v2}/model.safetensors")
+        names = sorted(state)
+        buckets = [names[: len(names) // 2], names[len(names) // 2 :]]
+        for i, bucket in enumerate(buckets):
+            body = {"names": bucket, "dtypes": [str(state[n].dtype) for n in bucket],
+                    "shapes": [list(state[n].shape) for n in bucket], "group_name": name}  # fmt: skip
+            if i == len(buckets) - 1:
+                body["weight_version"] = "42"
+            fut = pool.submit(post, server, "/update_weights_from_distributed", body)
+            for n in bucket:
+                dist.broadcast(state[n].contiguous(), src=0, group=group)
+            status, res = fut.result(60)
+            assert status == 200 and res["success"], res
+        out = generate(server, p, **sp)
+        assert out["output_ids"] == want and out["meta_info"]["weight_version"] == 42
+        assert post(server, "/destroy_weights_update_group", {"group_name": name})[0] == 200
+    finally:
+        dist.destroy_process_group(group)
+        pool.shutdown()
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
 
 
 # ---- in-process units (no HTTP) ------------------------------------------------------------------

@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="cap on padded prompt tokens prefilled in one step (bounds memory on long prompts)",
+    )
     p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
     p.add_argument(
         "--allowed-weight-roots",
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(
         runner,
         max_batch_size=args.max_batch_size,
+        max_prefill_tokens=args.max_prefill_tokens,
         weight_version=args.weight_version,
         log_interval=args.log_interval,
     )

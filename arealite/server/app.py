@@ -24,6 +24,12 @@ from arealite.server.protocol import (
     require_object,
 )
 from arealite.server.scheduler import Scheduler
+from arealite.server.weight_sync import (
+    Unsupported,
+    WeightGroups,
+    parse_group_spec,
+    parse_tensor_specs,
+)
 
 logger = logging.getLogger("arealite.server")
 
@@ -84,6 +90,7 @@ class InferenceServer:
         self.scheduler = scheduler
         self.options = options
         self.allowed_roots = [os.path.realpath(r) for r in options.allowed_weight_roots]
+        self.weight_groups = WeightGroups(runner.device)
 
     def build_app(self) -> web.Application:
         middlewares = [_errors_as_json]
@@ -95,12 +102,16 @@ class InferenceServer:
         app.router.add_post("/continue_generation", self.continue_generation)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        app.router.add_post("/init_weights_update_group", self.not_implemented)
-        app.router.add_post("/update_weights_from_distributed", self.not_implemented)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post(
+            "/update_weights_from_distributed", self.update_weights_from_distributed
+        )
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/get_model_info", self.get_model_info)
+        app.router.add_get("/get_server_info", self.get_server_info)
         app.router.add_get("/get_weight_version", self.get_weight_version)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -145,6 +156,12 @@ class InferenceServer:
         return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
 
     async def pause_generation(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        mode = require_object(decode_json_body(raw)).get("mode") if raw.strip() else None
+        if mode not in (None, "abort"):
+            raise BadRequest(
+                f"mode: only 'abort' is supported by the embedded server, got {mode!r}"
+            )
         await asyncio.wrap_future(self.scheduler.pause())
         return web.json_response({"success": True, "message": "generation paused"})
 
@@ -201,12 +218,50 @@ class InferenceServer:
             return f"model_path: {path} is not a directory"
         return None
 
-    async def not_implemented(self, request: web.Request) -> web.Response:
-        msg = (
-            f"{request.path}: NCCL weight broadcast is not implemented by the embedded server; "
-            "use /update_weights_from_disk (or an SGLang server for the distributed path)"
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        spec = parse_group_spec(decode_json_body(await request.read()))
+        try:
+            self.weight_groups.check_backend(spec)
+        except Unsupported as e:
+            return web.json_response(
+                {"success": False, "message": str(e), "error": str(e)}, status=501
+            )
+        loop = asyncio.get_running_loop()
+        message = await loop.run_in_executor(None, self.weight_groups.join, spec)
+        logger.info("%s", message)
+        return web.json_response({"success": True, "message": message})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive one bucket by broadcast; the version moves when the request carries one
+        (the trainer sends it with the last bucket). Pause generation around a multi-bucket push."""
+        body = require_object(decode_json_body(await request.read()))
+        specs = parse_tensor_specs(body)
+        group = self.weight_groups.get(body.get("group_name") or "weight_update_group")
+        version = body.get("weight_version")
+        version = None if version is None else parse_weight_version(version, 0)
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None)
+
+        def job() -> str:
+            tensors = self.weight_groups.receive(group, specs)
+            message = self.runner.load_named_tensors(tensors)
+            if version is not None:
+                self.scheduler.set_weight_version(version)
+            return message
+
+        try:
+            message = await asyncio.wrap_future(self.scheduler.run_exclusive(job))
+        except Exception as e:
+            msg = f"update_weights_from_distributed failed: {e}"
+            return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
+        return web.json_response(
+            {"success": True, "message": message, "weight_version": self.scheduler.weight_version}
         )
-        return web.json_response({"success": False, "message": msg, "error": msg}, status=501)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = require_object(decode_json_body(await request.read()))
+        self.weight_groups.destroy(body.get("group_name") or "weight_update_group")
+        return web.json_response({"success": True, "message": "group destroyed"})
 
     # ---- introspection ----------------------------------------------------------------------
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -234,6 +289,12 @@ class InferenceServer:
                 "paused": self.scheduler.paused,
                 "server": "arealite-embedded",
             }
+        )
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        info = {"tp_size": 1, "dp_size": 1, "max_running_requests": self.options.max_batch_size}
+        return web.json_response(
+            {**info, "model_path": self.options.model_path, "version": "arealite"}
         )
 
     async def get_weight_version(self, request: web.Request) -> web.Response:

@@ -270,11 +270,28 @@ class ModelRunner:
         state = self._read_safetensors(files) if files else None
         if state is None:
             state = self._read_with_transformers(path)
+        self._copy_into_model(state)
+        return f"loaded {len(state)} tensors from {path}"
+
+    def load_named_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> str:
+        """A partial update (one bucket of a distributed push): names and shapes must match."""
+        if self.batch is not None:
+            raise RuntimeError("cannot load weights while requests are running")
+        own = self.model.state_dict()
+        bad = [
+            f"{n} {list(t.shape)}" for n, t in tensors if n not in own or own[n].shape != t.shape
+        ]
+        if bad:
+            raise ValueError(f"names/shapes not in the served model: {', '.join(bad[:5])}")
+        self._copy_into_model(dict(tensors))
+        return f"loaded {len(tensors)} tensors"
+
+    def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
+        """In place, so parameter storage (and anything holding it) stays valid."""
         own = self.model.state_dict()
         with torch.no_grad():
             for name, tensor in state.items():
                 own[name].copy_(tensor)
-        return f"loaded {len(state)} tensors from {path}"
 
     def _read_safetensors(self, files: list[str]) -> dict[str, torch.Tensor] | None:
         """The checkpoint's tensors when their names and shapes match ours; None otherwise."""

@@ -40,6 +40,7 @@ class Scheduler:
         self,
         runner: ModelRunner,
         max_batch_size: int = 64,
+        max_prefill_tokens: int = 16384,
         metrics: ServerMetrics | None = None,
         weight_version: int = 0,
         log_interval: float = 10.0,
@@ -48,6 +49,7 @@ class Scheduler:
     ) -> None:
         self.runner = runner
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics or ServerMetrics()
         self.weight_version = weight_version
         self.metrics.weight_version = weight_version
@@ -199,10 +201,22 @@ class Scheduler:
                 return []
             if self.runner.num_running == 0:
                 self._gather_burst()
-            room = self.max_batch_size - self.runner.num_running
-            admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            admitted = self._pop_admissible(self.max_batch_size - self.runner.num_running)
         for s in admitted:
             s.weight_version = self.weight_version
+        return admitted
+
+    def _pop_admissible(self, room: int) -> list[Sequence]:
+        """FIFO, up to `room` rows and a padded prefill of at most max_prefill_tokens
+        (always at least one request, however long, so nothing starves)."""
+        admitted: list[Sequence] = []
+        width = 0
+        while self._waiting and len(admitted) < room:
+            new_width = max(width, len(self._waiting[0].req.input_ids))
+            if admitted and new_width * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            admitted.append(self._waiting.popleft())
+            width = new_width
         return admitted
 
     def _gather_burst(self) -> None:
