@@ -46,7 +46,13 @@ def vllm_python() -> str:
 
 
 def server_command(
-    backend: str, cfg: ServerConfig, host: str, port: int, tp_size: int, weight_roots: list[str]
+    backend: str,
+    cfg: ServerConfig,
+    host: str,
+    port: int,
+    tp_size: int,
+    weight_roots: list[str],
+    on_gpu: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """Command line and extra environment of one server of `backend` (local | sglang | vllm)."""
     env: dict[str, str] = {}
@@ -66,9 +72,15 @@ def server_command(
     elif backend == "vllm":
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path]
         cmd += ["--host", host, "--port", str(port), "--dtype", cfg.dtype]
+        # processed_logprobs: logprobs after temperature (what the trainer recomputes);
+        # --enable-scale-out: the token-in/token-out /inference/v1/generate endpoint;
+        # dev mode: pause/resume, /collective_rpc reload_weights, weight versions.
         cmd += ["--tensor-parallel-size", str(tp_size), "--logprobs-mode", "processed_logprobs"]
+        cmd += ["--enable-scale-out", "--generation-config", "vllm"]
         if cfg.context_length:
             cmd += ["--max-model-len", str(cfg.context_length)]
+        if not on_gpu:
+            cmd += ["--enforce-eager"]  # CUDA-graph style compilation only costs time on CPU
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     else:
         raise ValueError(f"unknown inference backend {backend!r}")
@@ -86,7 +98,9 @@ def plan_servers(
     specs = []
     tp = alloc.gen.tensor_parallel_size if alloc.gen else 1
     for i in range(alloc.gen_n_servers):
-        cmd, env = server_command(alloc.gen_backend, cfg, cfg.host, ports[i], tp, weight_roots)
+        cmd, env = server_command(
+            alloc.gen_backend, cfg, cfg.host, ports[i], tp, weight_roots, on_gpu=n_gpus > 0
+        )
         if n_gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * tp + j) for j in range(tp))
         specs.append(ServerSpec(i, cfg.host, ports[i], cmd, env))
