@@ -1,14 +1,40 @@
-"""Rollout workflows: how one data item becomes one or more trajectories."""
+"""Rollout workflows (how one data item becomes trajectories) and the executor that runs them.
+
+`WorkflowExecutor` runs episodes in an asyncio loop on a background thread, so the trainer's
+thread only submits data and collects finished batches. How many episodes may start is bounded
+by the staleness rule of DESIGN.md ("Asynchrony and staleness"):
+
+    capacity = min(C/W - running, (eta + v + 1) * B/W - (accepted + running))
+
+with C = max_concurrent_rollouts, B = consumer_batch_size, eta = max_head_offpolicyness, v = the
+engine's current version and W = the trainer's data-parallel size. `accepted` counts every
+accepted episode since the start (consumed or not), so at version v no more than (eta + v + 1)
+batches' worth of episodes have ever been started: a trajectory is at most eta versions stale.
+"""
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from arealite.utils.data import concat_padded_tensors
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
+    from arealite.api.cli_args import InferenceEngineConfig
     from arealite.api.engine_api import InferenceEngine
+
+logger = logging.getLogger("arealite.rollout")
 
 
 class RolloutWorkflow(abc.ABC):
@@ -21,3 +47,445 @@ class RolloutWorkflow(abc.ABC):
         """Run one episode on `data` and return its trajectories as a padded TensorDict
         `[n, L]` (input_ids, attention_mask, loss_mask, logprobs, versions, rewards, ...),
         or None to reject the episode (its slot is freed and it is counted as rejected)."""
+
+
+class RolloutError(RuntimeError):
+    """A workflow (or its `should_accept`) raised on one data item.
+
+    Carries the item so the caller can log or skip it; the original exception is `__cause__`.
+    """
+
+    def __init__(self, data: Any, workflow: Any, cause: BaseException):
+        text = repr(data)
+        text = text if len(text) <= 300 else text[:300] + "...}"
+        super().__init__(
+            f"{type(workflow).__name__}.arun_episode failed on data item {text}: "
+            f"{type(cause).__name__}: {cause}"
+        )
+        self.data = data
+        self.workflow = workflow
+        self.__cause__ = cause
+
+
+@dataclass
+class RolloutStat:
+    """Episode counters since the start of training (restored on recovery)."""
+
+    submitted: int = 0  # handed to submit()
+    running: int = 0  # started and not finished
+    accepted: int = 0  # finished and accepted (consumed or not)
+    rejected: int = 0  # finished as None or refused by should_accept
+    failed: int = 0  # raised an exception
+
+
+@dataclass
+class _Episode:
+    data: Any
+    workflow: RolloutWorkflow
+    should_accept: Callable[[TensorDict], bool] | None
+    group: _Group | None = None
+    index: int = 0
+
+
+class _Group:
+    """The episodes of one `rollout_batch` call: results come back to it, in input order."""
+
+    def __init__(self, n: int):
+        self.results: list[TensorDict | None] = [None] * n
+        self.done = 0
+        self.error: RolloutError | None = None
+
+
+POLL_S = 1.0  # fallback wake-up of the loop and of waiting callers
+
+
+class WorkflowExecutor:
+    """Runs `RolloutWorkflow` episodes on a background asyncio loop under the staleness bound.
+
+    Thread-safe: `submit`, `wait`, `rollout_batch`, `prepare_batch`, `pause` and `resume` may be
+    called from any thread other than the loop's. The engine's `get_version()` is read for every
+    admission decision; call `notify()` after changing it (engines do this in `set_version`).
+    """
+
+    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine):
+        self.config = config
+        self.engine = engine
+        self.max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.queue_size = config.queue_size or 4 * self.max_concurrent
+        if self.queue_size < 1:
+            raise ValueError(f"rollout.queue_size must be >= 1, got {self.queue_size}")
+        self.world_size = 1
+        self.stat = RolloutStat()
+        self._input: queue.Queue[_Episode] = queue.Queue(maxsize=self.queue_size)
+        self._results: deque[TensorDict] = deque()
+        self._errors: deque[RolloutError] = deque()
+        self._cond = threading.Condition()
+        self._tasks: set[asyncio.Task] = set()
+        self._paused = False
+        self._exiting = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._loop_error: BaseException | None = None
+        self._data_iter: Any = None
+        self._dataloader: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def initialize(self, train_data_parallel_size: int = 1) -> None:
+        """Start the loop thread; the capacity is split over `train_data_parallel_size` ranks."""
+        if train_data_parallel_size < 1:
+            raise ValueError(
+                f"train_data_parallel_size must be >= 1, got {train_data_parallel_size}"
+            )
+        if self._thread is not None:
+            raise RuntimeError("WorkflowExecutor.initialize() called twice")
+        self.world_size = train_data_parallel_size
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run_loop, args=(ready,), name="arealite-rollout", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+
+    def destroy(self, timeout: float = 30.0) -> None:
+        """Cancel every running episode, stop the loop and join its thread."""
+        with self._cond:
+            self._exiting = True
+            self._cond.notify_all()
+        self.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("rollout thread did not stop within %.0fs", timeout)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or self._loop.is_closed():
+            raise RuntimeError("WorkflowExecutor is not running; call initialize() first")
+        return self._loop
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._exiting
+
+    def run_coroutine(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the rollout loop (where the engine's HTTP session lives)."""
+        if not self.running:
+            coro.close()
+            raise RuntimeError("WorkflowExecutor is not running; call initialize() first")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def notify(self) -> None:
+        """Re-evaluate capacity now (version changed, resumed, results consumed, ...)."""
+        loop, ev = self._loop, self._wakeup
+        if loop is not None and ev is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+    # ------------------------------------------------------------------ capacity
+
+    def get_capacity(self) -> int:
+        """How many more episodes may start now (may be <= 0)."""
+        w = self.world_size
+        c = max(1, self.max_concurrent // w)
+        b = max(1, self.config.consumer_batch_size // w)
+        eta = self.config.max_head_offpolicyness
+        v = self.engine.get_version()
+        with self._cond:
+            s = self.stat
+            by_concurrency = c - s.running
+            by_staleness = (eta + v + 1) * b - (s.accepted + s.running)
+            # Never start an episode whose result could not be buffered (bounded output).
+            by_buffer = self.queue_size - len(self._results) - s.running
+        return min(by_concurrency, by_staleness, by_buffer)
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> None:
+        """Queue one episode (non-blocking). Raises `queue.Full` when `queue_size` episodes are
+        already waiting to start (raise rollout.queue_size or wait() first)."""
+        self._submit(_Episode(data, workflow, should_accept))
+
+    def _submit(self, ep: _Episode) -> None:
+        self._check_alive()
+        if not isinstance(ep.workflow, RolloutWorkflow):
+            raise TypeError(f"workflow must be a RolloutWorkflow, got {type(ep.workflow).__name__}")
+        try:
+            self._input.put_nowait(ep)
+        except queue.Full:
+            raise queue.Full(
+                f"rollout input queue is full ({self.queue_size} episodes waiting to start); "
+                "raise rollout.queue_size or collect results with wait() first"
+            ) from None
+        with self._cond:
+            self.stat.submitted += 1
+        self.notify()
+
+    def _check_alive(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError("rollout loop crashed") from self._loop_error
+        if not self.running:
+            raise RuntimeError("WorkflowExecutor is not running; call initialize() first")
+
+    # ------------------------------------------------------------------ collection
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """Block until `count` accepted episodes are ready; return them concatenated (in
+        completion order). Raises RolloutError if an episode failed, TimeoutError on timeout."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count > self.queue_size:
+            raise ValueError(
+                f"wait({count}) can never complete: at most rollout.queue_size={self.queue_size} "
+                "results are buffered"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._errors:
+                    raise self._errors.popleft()
+                if len(self._results) >= count:
+                    out = [self._results.popleft() for _ in range(count)]
+                    break
+                self._raise_if_stopped()
+                remaining = POLL_S if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"wait({count}): only {len(self._results)} accepted episodes after "
+                        f"{timeout}s ({self._describe()})"
+                    )
+                self._cond.wait(min(remaining, POLL_S))
+        self.notify()  # room in the output buffer may admit new episodes
+        return concat_padded_tensors(out)
+
+    def _raise_if_stopped(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError("rollout loop crashed") from self._loop_error
+        if self._exiting:
+            raise RuntimeError("WorkflowExecutor was destroyed while waiting")
+
+    def _describe(self) -> str:
+        s = self.stat
+        return (
+            f"running={s.running}, queued={self._input.qsize()}, accepted={s.accepted}, "
+            f"rejected={s.rejected}, failed={s.failed}, version={self.engine.get_version()}, "
+            f"paused={self._paused}"
+        )
+
+    def rollout_batch(
+        self,
+        data: Iterable[dict[str, Any]],
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> TensorDict:
+        """Run one episode per item and wait for all of them; returns the accepted ones in input
+        order. Rejected episodes are left out; the first failure raises RolloutError."""
+        items = list(data)
+        group = _Group(len(items))
+        pending = deque(
+            _Episode(d, workflow, should_accept, group=group, index=i) for i, d in enumerate(items)
+        )
+        while True:
+            while pending:
+                try:
+                    self._submit(pending[0])
+                except queue.Full:
+                    break
+                pending.popleft()
+            with self._cond:
+                if group.error is not None:
+                    raise group.error
+                if group.done == len(items):
+                    break
+                self._raise_if_stopped()
+                self._cond.wait(POLL_S)
+        return concat_padded_tensors([r for r in group.results if r is not None])
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> TensorDict:
+        """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
+        episodes (so generation never waits for the trainer), and return the next
+        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        if not batch_size:
+            raise ValueError("prepare_batch needs a dataloader with a batch_size")
+        if 2 * batch_size > self.queue_size:
+            raise ValueError(
+                f"rollout.queue_size={self.queue_size} must hold two dataloader batches "
+                f"(2 x {batch_size})"
+            )
+        while True:
+            if self._input.qsize() < batch_size:
+                for item in self._next_batch(dataloader):
+                    self.submit(item, workflow, should_accept)
+            try:
+                return self.wait(batch_size, timeout=POLL_S)
+            except TimeoutError:
+                continue
+
+    def _next_batch(self, dataloader: Any) -> list[dict[str, Any]]:
+        if self._dataloader is not dataloader:
+            self._dataloader, self._data_iter = dataloader, iter(dataloader)
+        try:
+            batch = next(self._data_iter)
+        except StopIteration:
+            self._data_iter = iter(dataloader)
+            try:
+                batch = next(self._data_iter)
+            except StopIteration:
+                raise ValueError("prepare_batch: the dataloader yields no data") from None
+        if isinstance(batch, dict):  # default collate: dict of columns -> rows
+            n = len(next(iter(batch.values())))
+            return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+        return list(batch)
+
+    # ------------------------------------------------------------------ control and state
+
+    def pause(self) -> None:
+        """Stop starting new episodes; running ones continue."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+        self.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logging: submitted, running, accepted, rejected, failed, queued, ready."""
+        with self._cond:
+            out = asdict(self.stat)
+            out["queued"] = self._input.qsize()
+            out["ready"] = len(self._results)
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """What recovery must restore so the staleness bound continues where it stopped."""
+        with self._cond:
+            s = self.stat
+            return {
+                "submitted": s.submitted,
+                "accepted": s.accepted,
+                "rejected": s.rejected,
+                "failed": s.failed,
+            }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore counters; episodes that were running at save time are lost (running = 0)."""
+        with self._cond:
+            for k in ("submitted", "accepted", "rejected", "failed"):
+                setattr(self.stat, k, int(state.get(k, 0)))
+        self.notify()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run_loop(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        self._wakeup = asyncio.Event()
+        ready.set()
+        try:
+            loop.run_until_complete(self._schedule())
+        except BaseException as e:  # surfaced to callers of wait()/submit()
+            logger.exception("rollout loop crashed")
+            self._loop_error = e
+        finally:
+            self._shutdown_loop(loop)
+
+    def _shutdown_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        with self._cond:
+            self._exiting = True
+            self._cond.notify_all()
+
+    async def _schedule(self) -> None:
+        assert self._wakeup is not None
+        while not self._exiting:
+            self._wakeup.clear()
+            self._start_admissible()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _start_admissible(self) -> None:
+        if self._paused:
+            return
+        n = self.get_capacity()
+        while n > 0:
+            try:
+                ep = self._input.get_nowait()
+            except queue.Empty:
+                return
+            task = asyncio.ensure_future(ep.workflow.arun_episode(self.engine, ep.data))
+            with self._cond:
+                self.stat.running += 1
+                self._cond.notify_all()  # the input queue has room again
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, ep=ep: self._on_done(t, ep))
+            n -= 1
+
+    def _on_done(self, task: asyncio.Task, ep: _Episode) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            with self._cond:
+                self.stat.running -= 1
+                self._cond.notify_all()
+            return
+        result, error = None, task.exception()
+        if error is None:
+            result = task.result()
+            try:
+                if result is not None and ep.should_accept is not None:
+                    result = result if ep.should_accept(result) else None
+            except Exception as e:
+                error = e
+        with self._cond:
+            self.stat.running -= 1
+            if error is not None:
+                self.stat.failed += 1
+                self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
+            elif result is None:
+                self.stat.rejected += 1
+                if ep.group is not None:
+                    ep.group.done += 1
+            else:
+                self.stat.accepted += 1
+                if ep.group is not None:
+                    ep.group.results[ep.index] = result
+                    ep.group.done += 1
+                else:
+                    self._results.append(result)
+            self._cond.notify_all()
+        self._wakeup.set()  # a slot is free
+
+    def _record_error(self, ep: _Episode, err: RolloutError) -> None:
+        logger.error("%s", err, exc_info=err.__cause__)
+        if ep.group is not None:
+            ep.group.done += 1
+            ep.group.error = ep.group.error or err
+        else:
+            self._errors.append(err)

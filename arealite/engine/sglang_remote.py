@@ -1,0 +1,131 @@
+"""RemoteSGLangEngine: the InferenceEngine over SGLang's native HTTP API.
+
+Works unchanged against a real SGLang server and against the embedded server
+(`python -m arealite.server`), which speaks the same subset (DESIGN.md, wire protocol).
+All shared machinery (routing, retries, fail-over, interruptible generation, the weight-update
+choreography, the rollout executor) lives in `RemoteInferenceEngine`; this file only says how
+SGLang spells each call.
+
+Usage:
+    engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=8))
+    engine.initialize(["127.0.0.1:30000"])            # or rollout.server_addrs / env
+    resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
+    batch = engine.prepare_batch(dataloader, workflow)  # staleness-bounded async rollout
+    engine.update_weights(WeightUpdateMeta.from_disk(path, version=1)).result()
+    engine.set_version(1)
+    engine.destroy()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
+from arealite.engine.remote_base import (
+    GenerateChunk,
+    RemoteInferenceEngine,
+    ServerError,
+    parse_version,
+)
+
+_FINISH_TYPES = ("stop", "length", "abort")
+
+
+class RemoteSGLangEngine(RemoteInferenceEngine):
+    """Client of one or more SGLang (or embedded arealite) servers."""
+
+    health_path = "/health"
+
+    def build_generate_payload(
+        self, req: ModelRequest, input_ids: list[int], max_new_tokens: int, min_new_tokens: int
+    ) -> tuple[str, dict[str, Any]]:
+        params = req.gconfig.to_sampling_params()
+        params["max_new_tokens"] = max_new_tokens
+        params["min_new_tokens"] = min_new_tokens
+        payload: dict[str, Any] = {
+            "rid": req.rid,
+            "input_ids": input_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+        }
+        if req.image_data:
+            payload["image_data"] = req.image_data
+        return "/generate", payload
+
+    def parse_generate_response(self, body: Any) -> GenerateChunk:
+        if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+            raise ValueError(f"/generate answer without meta_info: {str(body)[:300]}")
+        meta = body["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        if kind not in _FINISH_TYPES:
+            raise ValueError(f"/generate answer with unknown finish_reason {finish!r}")
+        entries = meta.get("output_token_logprobs") or []
+        logprobs = [float(e[0]) for e in entries]
+        tokens = body.get("output_ids")
+        tokens = [int(e[1]) for e in entries] if tokens is None else [int(t) for t in tokens]
+        if len(tokens) != len(logprobs):
+            raise ValueError(
+                f"/generate answer has {len(tokens)} output_ids but {len(logprobs)} logprobs"
+            )
+        return GenerateChunk(tokens, logprobs, kind, parse_version(meta.get("weight_version")))
+
+    async def pause_server(self, addr: str) -> None:
+        await self._http_with_retries(addr, "POST", "/pause_generation")
+
+    async def continue_server(self, addr: str) -> None:
+        await self._http_with_retries(addr, "POST", "/continue_generation")
+
+    async def update_server_from_disk(self, addr: str, meta: WeightUpdateMeta) -> None:
+        payload = {"model_path": meta.path, "weight_version": str(meta.version)}
+        body = await self._http_with_retries(addr, "POST", "/update_weights_from_disk", payload)
+        _check_success(addr, "/update_weights_from_disk", body)
+
+    # ---- NCCL path (GPU; SGLang's update_weights_from_distributed API) --------------------
+
+    async def server_tp_size(self, addr: str) -> int:
+        try:
+            info = await self._http_with_retries(addr, "GET", "/get_server_info")
+        except ServerError:  # servers without the endpoint run one rank
+            return 1
+        return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+
+    async def init_weights_group(
+        self, addr: str, meta: WeightUpdateMeta, rank_offset: int, world_size: int
+    ) -> None:
+        payload = {
+            "master_address": meta.nccl_master_address,
+            "master_port": meta.nccl_master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": meta.nccl_group_name,
+            "backend": "nccl",
+        }
+        body = await self._http_with_retries(addr, "POST", "/init_weights_update_group", payload)
+        _check_success(addr, "/init_weights_update_group", body)
+
+    async def update_server_from_distributed(
+        self,
+        addr: str,
+        meta: WeightUpdateMeta,
+        bucket: list[tuple[str, list[int], str]],
+        last: bool,
+    ) -> None:
+        payload = {
+            "names": [name for name, _, _ in bucket],
+            "shapes": [shape for _, shape, _ in bucket],
+            "dtypes": [dtype for _, _, dtype in bucket],
+            "group_name": meta.nccl_group_name,
+            "flush_cache": last,
+        }
+        if last:
+            payload["weight_version"] = str(meta.version)
+        body = await self._http_with_retries(
+            addr, "POST", "/update_weights_from_distributed", payload
+        )
+        _check_success(addr, "/update_weights_from_distributed", body)
+
+
+def _check_success(addr: str, path: str, body: Any) -> None:
+    if isinstance(body, dict) and body.get("success") is False:
+        raise ServerError(addr, path, 200, str(body.get("message") or body))

@@ -1,0 +1,192 @@
+"""Run a reward function in worker processes, with a timeout per call.
+
+Why processes: reward code (math-verify, sympy, user code) is CPU-bound, may hang, and
+math-verify times itself out with `signal.alarm`, which only works in a process's main thread:
+a pool worker's tasks run exactly there, and the rollout loop's thread stays free.
+
+Why the odd lifecycle: a call that times out leaves its worker stuck, and a ProcessPoolExecutor
+cannot kill one task. So a timeout retires the whole pool: new calls go to a fresh pool, and the
+retired one is killed as soon as its other (innocent) calls have finished.
+
+The reward function must be picklable (a module-level function): workers import its module.
+Scripts that use a RewardPool need an `if __name__ == "__main__":` guard (forkserver/spawn
+re-import the main module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+logger = logging.getLogger("arealite.reward")
+
+WARMUP_TIMEOUT_S = 300.0
+
+
+def _preload(fn: Callable) -> None:
+    """Worker initializer: unpickling `fn` already imported its module; nothing else to do."""
+
+
+def _warmup() -> bool:
+    return True
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return fn(*args, **kwargs)
+
+
+class _Generation:
+    """One ProcessPoolExecutor and the calls still running on it."""
+
+    def __init__(self, fn: Callable, max_workers: int, ctx: Any):
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=max_workers, mp_context=ctx, initializer=_preload, initargs=(fn,)
+        )
+        # One task per worker spawns them all now (workers start on demand), so module
+        # import time is not charged to the first reward calls' timeout.
+        self.warmup = [self.pool.submit(_warmup) for _ in range(max_workers)]
+        self.pending: set[concurrent.futures.Future] = set()
+        self.retired = False
+        self.killed = False
+
+    def kill(self) -> None:
+        if self.killed:
+            return
+        self.killed = True
+        # ProcessPoolExecutor has no public per-worker kill before Python 3.14.
+        for p in list(getattr(self.pool, "_processes", {}).values()):
+            try:
+                p.kill()
+            except Exception:  # already gone
+                pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _kill_all(gens: list[_Generation]) -> None:
+    for g in gens:
+        g.kill()
+
+
+class RewardPool:
+    """`await pool(*args, **kwargs)` runs `reward_fn(*args, **kwargs)` in a worker process and
+    returns a float; a timeout or an exception returns `default` (0.0) and is counted in
+    `stats` and logged."""
+
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any],
+        max_workers: int = 2,
+        timeout: float = 15.0,
+        default: float = 0.0,
+        mp_context: str = "forkserver",
+    ):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        try:
+            pickle.dumps(reward_fn)
+        except Exception as e:
+            raise TypeError(
+                f"reward_fn {reward_fn!r} must be picklable (a module-level function) because "
+                f"it runs in a process pool: {e}"
+            ) from None
+        self.reward_fn = reward_fn
+        self.max_workers = max_workers
+        self.timeout = timeout
+        self.default = default
+        methods = multiprocessing.get_all_start_methods()
+        self._ctx = multiprocessing.get_context(mp_context if mp_context in methods else "spawn")
+        self._lock = threading.Lock()
+        self._gens: list[_Generation] = []
+        self._current: _Generation | None = None
+        self._closed = False
+        self.stats = {"calls": 0, "ok": 0, "timeouts": 0, "errors": 0}
+        self._finalizer = weakref.finalize(self, _kill_all, self._gens)
+
+    def _generation(self) -> _Generation:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            if self._current is None or self._current.retired:
+                self._current = _Generation(self.reward_fn, self.max_workers, self._ctx)
+                self._gens.append(self._current)
+            return self._current
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        gen = self._generation()
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in gen.warmup)), WARMUP_TIMEOUT_S
+            )
+        except (BrokenProcessPool, asyncio.TimeoutError) as e:
+            self._retire(gen)
+            raise RuntimeError(
+                f"reward worker processes failed to start (cannot import {self.reward_fn!r}?): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        self.stats["calls"] += 1
+        fut = gen.pool.submit(_call, self.reward_fn, args, kwargs)
+        with self._lock:
+            gen.pending.add(fut)
+        fut.add_done_callback(lambda f, g=gen: self._on_finished(g, f))
+        try:
+            value = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
+            value = float(value)
+        except asyncio.TimeoutError:
+            self.stats["timeouts"] += 1
+            logger.warning(
+                "reward_fn %s timed out after %.1fs; reward %s (%d timeouts so far)",
+                getattr(self.reward_fn, "__name__", self.reward_fn),
+                self.timeout,
+                self.default,
+                self.stats["timeouts"],
+            )
+            self._retire(gen, stuck=fut)
+            return self.default
+        except Exception as e:
+            self.stats["errors"] += 1
+            logger.warning(
+                "reward_fn %s raised %s: %s; reward %s (%d errors so far)",
+                getattr(self.reward_fn, "__name__", self.reward_fn),
+                type(e).__name__,
+                e,
+                self.default,
+                self.stats["errors"],
+            )
+            if isinstance(e, BrokenProcessPool):
+                self._retire(gen)
+            return self.default
+        self.stats["ok"] += 1
+        return value
+
+    def _on_finished(self, gen: _Generation, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            gen.pending.discard(fut)
+            drained = gen.retired and not gen.pending
+        if drained:
+            gen.kill()
+
+    def _retire(self, gen: _Generation, stuck: concurrent.futures.Future | None = None) -> None:
+        """Send new calls to a fresh pool; kill this one once its innocent calls are done."""
+        with self._lock:
+            gen.retired = True
+            if stuck is not None:
+                gen.pending.discard(stuck)
+            drained = not gen.pending
+        if drained:
+            gen.kill()
+
+    def close(self) -> None:
+        """Kill every worker (stuck ones included)."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()

@@ -1,0 +1,276 @@
+"""RemoteSGLangEngine against real embedded servers (python -m arealite.server) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
+from arealite.engine.remote_base import NoServerAvailable, ServerError
+from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.server.process import launch_server
+from arealite.utils.network import find_free_port
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "test-key"
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def launch_many(model_path: str, n: int, **kw):
+    """Start n servers concurrently (model loading dominates; overlap it)."""
+    out, errors = [None] * n, []
+
+    def start(i):
+        try:
+            out[i] = launch_server(model_path, **kw)
+        except Exception as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in out:
+            if s is not None:
+                s.stop()
+        raise errors[0]
+    return out
+
+
+def metrics(server) -> dict[str, float]:
+    req = urllib.request.Request(f"{server.url}/metrics", headers=server.headers)
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(arealite_\w+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def n_finished(server) -> float:
+    m = metrics(server)
+    return sum(v for k, v in m.items() if k.startswith("arealite_requests_total"))
+
+
+async def until(cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(cond):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+def make_engine(addrs, **kw) -> RemoteSGLangEngine:
+    kw.setdefault("api_key", API_KEY)
+    kw.setdefault("setup_timeout", 60)
+    engine = RemoteSGLangEngine(InferenceEngineConfig(**kw))
+    engine.initialize(addrs)
+    return engine
+
+
+def gen(max_new_tokens: int, **kw) -> GenerationHyperparameters:
+    return GenerationHyperparameters(max_new_tokens=max_new_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    s = launch_server(tiny_model_dir, api_key=API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def engine(server):
+    e = make_engine([server.address])
+    yield e
+    e.destroy()
+
+
+def test_64_concurrent_agenerate(engine):
+    g = gen(6, temperature=1.0)
+
+    async def run():
+        reqs = [ModelRequest(input_ids=PROMPT + [i % 50], gconfig=g) for i in range(64)]
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+    resps = asyncio.run(run())
+    assert len(resps) == 64
+    for r in resps:
+        assert 1 <= r.output_len <= 6
+        assert len(r.output_logprobs) == len(r.output_versions) == r.output_len
+        assert all(math.isfinite(lp) and lp <= 0 for lp in r.output_logprobs)
+        assert r.output_versions == [0] * r.output_len
+        assert r.stop_reason in ("stop", "length")
+        assert (r.stop_reason == "length") == (r.output_len == 6 and r.output_tokens[-1] != 2)
+        assert r.latency >= r.ttft > 0
+    assert engine.stats()["generate_calls"] == 64
+
+
+def test_bad_requests_are_named_and_server_survives(engine, server):
+    async def run(req):
+        return await engine.agenerate(req)
+
+    with pytest.raises(ServerError, match=r"input_ids\[1\]: token id 99999"):
+        asyncio.run(run(ModelRequest(input_ids=[5, 99999], gconfig=gen(2))))
+    with pytest.raises(ValueError, match="n_samples"):
+        asyncio.run(run(ModelRequest(input_ids=PROMPT, gconfig=gen(2, n_samples=2))))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        asyncio.run(run(ModelRequest(input_ids=[], gconfig=gen(2))))
+    assert not engine.failed and server.alive()
+    assert asyncio.run(run(ModelRequest(input_ids=PROMPT, gconfig=gen(2)))).output_len >= 1
+
+
+def test_missing_api_key_is_reported(server):
+    engine = make_engine([server.address], api_key=None)
+    try:
+        with pytest.raises(ServerError, match="401.*unauthorized"):
+            asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=gen(2))))
+    finally:
+        engine.destroy()
+
+
+def test_health_check_names_unreachable_server(server):
+    dead = f"127.0.0.1:{find_free_port()}"
+    cfg = InferenceEngineConfig(setup_timeout=1.0, api_key=API_KEY)
+    engine = RemoteSGLangEngine(cfg)
+    with pytest.raises(TimeoutError, match=re.escape(dead)) as info:
+        engine.initialize([server.address, dead])
+    assert server.address not in str(info.value)
+    assert not engine.executor.running
+
+
+def test_addresses_from_environment(server, monkeypatch):
+    monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", f"http://{server.address}/")
+    engine = make_engine(None)
+    try:
+        assert engine.addresses == [server.address]
+    finally:
+        engine.destroy()
+    monkeypatch.delenv("AREAL_LLM_SERVER_ADDRS")
+    with pytest.raises(ValueError, match="AREAL_LLM_SERVER_ADDRS"):
+        RemoteSGLangEngine(InferenceEngineConfig()).initialize()
+
+
+def test_interrupted_generation_resumes_across_weight_update(tiny_model_dir, tiny_model_dir_v2):
+    server = launch_server(tiny_model_dir, api_key=API_KEY)
+    engine = make_engine([server.address])
+    try:
+        greedy = gen(8, greedy=True)
+        before = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=greedy)))
+        budget, n = 96, 4
+        sampled = gen(budget, temperature=1.0, ignore_eos=True)
+
+        async def scenario():
+            start = metrics(server)["arealite_generation_tokens_total"]
+            tasks = [
+                asyncio.ensure_future(
+                    engine.agenerate(ModelRequest(input_ids=PROMPT + [i], gconfig=sampled))
+                )
+                for i in range(n)
+            ]
+            # Update once every request has produced a few tokens, long before any finishes.
+            await until(
+                lambda: metrics(server)["arealite_generation_tokens_total"] - start >= 4 * n,
+                what="first tokens",
+            )
+            await asyncio.wrap_future(
+                engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir_v2, version=1))
+            )
+            return await asyncio.gather(*tasks)
+
+        resps = asyncio.run(scenario())
+        m = metrics(server)
+        assert m['arealite_requests_total{finish_reason="abort"}'] >= 1
+        assert engine.stats()["aborted_chunks"] >= 1
+        assert engine.weight_version == 1
+        for r in resps:
+            assert r.output_len == budget  # the budget spans the resubmission exactly
+            assert r.output_versions == sorted(r.output_versions)
+            assert r.output_versions[-1] == 1
+            assert all(math.isfinite(lp) for lp in r.output_logprobs)
+        assert any(set(r.output_versions) == {0, 1} for r in resps)
+
+        after = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=greedy)))
+        assert after.output_versions == [1] * after.output_len
+        assert after.output_tokens != before.output_tokens
+
+        # A failed load is reported with the server's reason; the server stays in rotation.
+        bad = WeightUpdateMeta.from_disk("/nonexistent/weights", version=2)
+        with pytest.raises(RuntimeError, match="/nonexistent/weights"):
+            engine.update_weights(bad).result(timeout=60)
+        assert not engine.failed and engine.weight_version == 1
+        again = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=greedy)))
+        assert again.output_tokens == after.output_tokens
+    finally:
+        engine.destroy()
+        server.stop()
+
+
+def test_sticky_routing_and_failover_when_a_server_dies(tiny_model_dir):
+    a, b = launch_many(tiny_model_dir, 2, api_key=API_KEY)
+    engine = make_engine([a.address, b.address], request_retries=1)
+    try:
+        g = gen(2)
+
+        async def same_rid(k):
+            for _ in range(k):
+                await engine.agenerate(ModelRequest(rid="sticky", input_ids=PROMPT, gconfig=g))
+
+        asyncio.run(same_rid(3))
+        counts = sorted([n_finished(a), n_finished(b)])
+        assert counts == [0, 3]
+
+        async def distinct(k):
+            await asyncio.gather(
+                *(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=g)) for _ in range(k))
+            )
+
+        asyncio.run(distinct(4))
+        assert n_finished(a) >= 2 and n_finished(b) >= 2  # round-robin spreads new rids
+
+        budget = 48
+        sampled = gen(budget, temperature=1.0, ignore_eos=True)
+
+        async def kill_b_midway():
+            tasks = [
+                asyncio.ensure_future(
+                    engine.agenerate(ModelRequest(input_ids=PROMPT + [i], gconfig=sampled))
+                )
+                for i in range(16)
+            ]
+            await until(
+                lambda: (
+                    metrics(b)["arealite_running_requests"] > 0
+                    and metrics(b)["arealite_generation_tokens_total"] > 30
+                ),
+                what="requests running on b",
+            )
+            b.proc.kill()
+            return await asyncio.gather(*tasks)
+
+        resps = asyncio.run(kill_b_midway())
+        assert len(resps) == 16
+        assert all(r.output_len == budget for r in resps)
+        assert list(engine.failed) == [b.address]
+        assert engine.stats()["failovers"] >= 1
+
+        a.stop()
+        with pytest.raises(NoServerAvailable) as info:
+            asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=g)))
+        assert a.address in str(info.value) and b.address in str(info.value)
+    finally:
+        engine.destroy()
+        a.stop()
+        b.stop()
