@@ -1,0 +1,357 @@
+"""Training-loop services: stats tracker, stats logger, progress line, frequency control,
+saver and evaluator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from arealite.api.cli_args import EvaluatorConfig, SaverConfig, StatsLoggerConfig
+from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
+from arealite.utils import stats_tracker
+from arealite.utils.evaluator import Evaluator
+from arealite.utils.network import find_free_port
+from arealite.utils.plotting import read_metrics_jsonl
+from arealite.utils.progress import ProgressLine, find_stat, format_progress
+from arealite.utils.saver import Saver
+from arealite.utils.stats_logger import StatsLogger
+from arealite.utils.stats_tracker import StatsTracker
+from arealite.utils.timer import EpochStepTimeFreqCtl
+
+# ----------------------------------------------------------------------------- stats tracker
+
+
+def _record(tracker: StatsTracker, seed: int, n_calls: int = 3) -> list[tuple]:
+    """Record random masked stats; returns the raw (mask, values, scalar) for checking."""
+    g = torch.Generator().manual_seed(seed)
+    raw = []
+    for _ in range(n_calls):
+        mask = torch.rand(4, 7, generator=g) < 0.6
+        kl = torch.randn(4, 7, generator=g)
+        lr = float(torch.rand(1, generator=g))
+        with tracker.scope("actor"), tracker.scope("update"):
+            tracker.denominator(n_tokens=mask)
+            tracker.stat(kl=kl, denominator="n_tokens")
+            tracker.stat(kl_sum=kl, denominator="n_tokens", reduce_type="sum")
+            tracker.scalar(lr=lr)
+        raw.append((mask, kl, lr))
+    return raw
+
+
+def _expected(raw: list[tuple]) -> dict[str, float]:
+    sel = torch.cat([kl[m] for m, kl, _ in raw])
+    lrs = [lr for *_, lr in raw]
+    return {
+        "actor/update/n_tokens": float(sum(m.sum() for m, *_ in raw)),
+        "actor/update/kl/avg": sel.double().mean().item(),
+        "actor/update/kl/min": sel.min().item(),
+        "actor/update/kl/max": sel.max().item(),
+        "actor/update/kl_sum": sel.double().sum().item(),
+        "actor/update/lr": sum(lrs) / len(lrs),
+    }
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+
+
+def test_masked_means_over_calls_and_reset():
+    tracker = StatsTracker()
+    raw = _record(tracker, seed=0)
+    _assert_close(tracker.export(), _expected(raw))
+    assert tracker.export() == {}  # export resets
+
+
+def test_module_level_tracker_and_timing():
+    with stats_tracker.scope("ppo"):
+        stats_tracker.denominator(mask=torch.tensor([True, False, True]))
+        stats_tracker.stat(reward=torch.tensor([1.0, 100.0, 0.0]), denominator="mask")
+        with stats_tracker.record_timing("step"):
+            time.sleep(0.01)
+    out = stats_tracker.export()
+    assert out["ppo/mask"] == 2 and out["ppo/reward/avg"] == 0.5 and out["ppo/reward/max"] == 1
+    assert 0.01 <= out["ppo/timeperf/step"] < 1.0
+    assert stats_tracker.get("critic") is stats_tracker.get("critic")
+
+
+def test_empty_mask_reports_count_zero_and_no_mean():
+    t = StatsTracker()
+    t.denominator(m=torch.zeros(3, dtype=torch.bool))
+    t.stat(x=torch.ones(3), denominator="m")
+    assert t.export() == {"m": 0.0}
+
+
+def test_tracker_errors_name_the_problem():
+    t = StatsTracker()
+    with pytest.raises(KeyError, match="'ppo/mask' was not recorded"):
+        with t.scope("ppo"):
+            t.stat(x=torch.ones(3), denominator="mask")
+    t.denominator(mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"shape \(4,\).*\(3,\)"):
+        t.stat(x=torch.ones(4), denominator="mask")
+    with pytest.raises(TypeError, match="bool tensor"):
+        t.denominator(mask=torch.ones(3))
+    with pytest.raises(ValueError, match="reduce_type"):
+        t.stat(x=torch.ones(3), denominator="mask", reduce_type="median")
+
+
+def _reduce_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        tracker = StatsTracker()
+        _record(tracker, seed=rank, n_calls=rank + 1)  # ranks record different amounts
+        if rank == 1:
+            tracker.scalar(only_rank1=5.0)
+        result = tracker.export(reduce_group=dist.group.WORLD)
+        # Time-based frequency control follows rank 0 even when clocks disagree.
+        ctl = EpochStepTimeFreqCtl(freq_sec=5)
+        ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 * rank})
+        fired_when_rank0_not_due = ctl.check(steps=1)
+        ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 - rank})
+        fired_when_rank0_due = ctl.check(steps=1)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump([result, fired_when_rank0_not_due, fired_when_rank0_due], f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_two_rank_gloo_reduce_matches_one_process(tmp_path):
+    mp.spawn(_reduce_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
+    raw = _record(StatsTracker(), seed=0, n_calls=1) + _record(StatsTracker(), seed=1, n_calls=2)
+    want = {**_expected(raw), "only_rank1": 5.0}
+    for rank in range(2):
+        result, not_due, due = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        _assert_close(result, want)
+        assert (not_due, due) == (False, True)
+
+
+# ----------------------------------------------------------------------------- stats logger
+
+
+def _commit_steps(logger: StatsLogger, steps, offset: float = 0.0) -> None:
+    for g in steps:
+        stats = {
+            "ppo_actor/task_reward/avg": g / 10 + offset,
+            "ppo_actor/behave_kl/avg": 1e-5,
+            "ppo_actor/pg_loss/avg": torch.tensor(1.0 - g / 10),
+            "rollout/n_tokens": 640,
+            "empty/avg": float("nan"),
+        }
+        logger.commit(epoch=0, step=g, global_step=g, stats=stats)
+
+
+def _tb_scalars(tb_dir: str, key: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(key)]
+
+
+def test_stats_logger_writes_tensorboard_jsonl_png_and_summary(tmp_path):
+    run_dir = str(tmp_path / "exp" / "trial")
+    ft_spec = FinetuneSpec(total_train_epochs=1, dataset_size=80, train_batch_size=8)
+    logger = StatsLogger(StatsLoggerConfig(), run_dir, ft_spec)
+    _commit_steps(logger, range(5))
+    summary = logger.close()
+
+    records = read_metrics_jsonl(logger.metrics_path)
+    assert [r["step"] for r in records] == list(range(5))
+    assert records[3]["ppo_actor/task_reward/avg"] == pytest.approx(0.3)
+    assert records[3]["empty/avg"] is None  # NaN is not JSON
+    tb = _tb_scalars(logger.tb_dir, "ppo_actor/task_reward/avg")
+    assert [s for s, _ in tb] == list(range(5))
+    assert tb[2][1] == pytest.approx(0.2)
+    with open(logger.plot_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(logger.plot_path) > 5000
+    assert summary["n_steps"] == 5 and summary["last_step"] == 4
+    assert summary["best"]["ppo_actor/pg_loss/avg"] == pytest.approx(0.6)
+    assert summary["last"]["ppo_actor/task_reward/avg"] == pytest.approx(0.4)
+    assert json.loads((tmp_path / "exp" / "trial" / "summary.json").read_text())["n_steps"] == 5
+
+
+def test_stats_logger_resume_has_no_duplicate_steps(tmp_path):
+    run_dir = str(tmp_path / "run")
+    first = StatsLogger(StatsLoggerConfig(), run_dir)
+    _commit_steps(first, range(6))
+    first._metrics_file.write('{"step": 6, "torn')  # crashed mid-write
+    first.close()
+
+    resumed = StatsLogger(StatsLoggerConfig(), run_dir, start_step=3)
+    _commit_steps(resumed, range(3, 8), offset=100.0)
+    resumed.close()
+
+    records = read_metrics_jsonl(resumed.metrics_path)
+    assert [r["step"] for r in records] == list(range(8))
+    rewards = [r["ppo_actor/task_reward/avg"] for r in records]
+    assert rewards[:3] == pytest.approx([0.0, 0.1, 0.2])  # kept from the first run
+    assert rewards[3:] == pytest.approx([100 + g / 10 for g in range(3, 8)])  # the resumed run
+    tb = _tb_scalars(resumed.tb_dir, "ppo_actor/task_reward/avg")
+    assert [s for s, _ in tb] == list(range(8))  # TensorBoard purged the stale steps too
+    assert tb[4][1] == pytest.approx(100.4)
+
+
+def test_stats_logger_only_rank0_writes(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    logger = StatsLogger(StatsLoggerConfig(), str(tmp_path / "r1"))
+    _commit_steps(logger, range(2))
+    assert logger.close() is None
+    assert not os.path.exists(tmp_path / "r1")
+
+
+def test_stats_logger_missing_wandb_fails_clearly(tmp_path):
+    try:
+        import wandb  # noqa: F401
+
+        pytest.skip("wandb is installed; this checks the message when it is not")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match=r"arealite\[wandb\]"):
+        StatsLogger(StatsLoggerConfig(wandb_mode="offline"), str(tmp_path / "w"))
+
+
+# ----------------------------------------------------------------------------- progress line
+
+
+def test_progress_line_picks_keys_and_formats():
+    stats = {
+        "ppo_actor/task_reward/avg": 0.4375,
+        "ppo_actor/task_reward/max": 1.0,
+        "ppo_actor/behave_kl/avg": 2.1e-5,
+        "rollout/staleness/avg": 1.5,
+        "ppo_actor/pg_loss/avg": 0.25,
+    }
+    line = format_progress(12, 200, stats, secs_per_step=3.21, tokens_per_sec=1520, eta_secs=603)
+    assert line == (
+        "step 12/200 | reward 0.4375 | loss 0.2500 | 3.21 s/step | 1520 tok/s | "
+        "staleness 1.50 | behave_kl 2.10e-05 | ETA 10m03s"
+    )
+    assert "reward 0.9000" in format_progress(1, None, stats, reward=0.9)
+    assert find_stat({"a/loss": 1.0}, ("reward",)) is None
+
+
+def test_progress_line_timing_eta_and_print_every(caplog):
+    p = ProgressLine(total_steps=10, print_every=2)
+    with caplog.at_level(logging.INFO, logger="arealite.progress"):
+        assert p.update(0, {"n_tokens": 100}) is None  # step 1: not printed
+        time.sleep(0.05)
+        line = p.update(1, {"n_tokens": 100})
+    assert line is not None and line.startswith("step 2/10") and line in caplog.text
+    secs = float(line.split(" | ")[1].split()[0])
+    toks = float(line.split(" | ")[2].split()[0])
+    assert secs >= 0.05 and toks == pytest.approx(100 / secs, rel=0.05)
+    assert "ETA" in line
+
+
+# ----------------------------------------------------------------------------- frequency control
+
+
+def test_freq_ctl_steps_epochs_and_none():
+    ctl = EpochStepTimeFreqCtl(freq_step=3)
+    assert [ctl.check(steps=1) for _ in range(7)] == [False, False, True] * 2 + [False]
+    ctl = EpochStepTimeFreqCtl(freq_epoch=2)
+    assert [ctl.check(epochs=1) for _ in range(4)] == [False, True, False, True]
+    assert not any(EpochStepTimeFreqCtl().check(epochs=1, steps=1) for _ in range(5))
+    with pytest.raises(ValueError, match="freq_step"):
+        EpochStepTimeFreqCtl(freq_step=0)
+
+
+def test_freq_ctl_seconds_and_state_dict():
+    ctl = EpochStepTimeFreqCtl(freq_step=4, freq_sec=0.2)
+    assert not ctl.check(steps=1)
+    time.sleep(0.25)
+    assert ctl.check(steps=1)  # time is due
+    assert not ctl.check(steps=1)  # timer restarted; 3 steps counted
+    restored = EpochStepTimeFreqCtl(freq_step=4, freq_sec=0.2)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.step_counter == 3
+    assert restored.check(steps=1)  # the 4th step fires after the restore, as it would have
+
+
+# ----------------------------------------------------------------------------- saver / evaluator
+
+
+class _HFEngine:
+    """A train engine reduced to `save`: writes a real HF model directory."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.metas: list[SaveLoadMeta] = []
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        self.metas.append(meta)
+        self.model.save_pretrained(meta.path)
+        if meta.tokenizer is not None:
+            meta.tokenizer.save_pretrained(meta.path)
+
+
+def test_saver_saves_on_schedule_and_resumes_it(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ft_spec = FinetuneSpec(total_train_epochs=2, dataset_size=12, train_batch_size=4)  # 3/epoch
+    engine = _HFEngine(tiny_model_dir)
+    saver = Saver(SaverConfig(freq_steps=2), ft_spec, str(tmp_path))
+    saved = []
+    for g in range(4):
+        epoch, step = divmod(g, ft_spec.steps_per_epoch)
+        saved.append(saver.save(engine, epoch, step, g, tokenizer=tok))
+    path = os.path.join(str(tmp_path), "checkpoints", "epoch1globalstep3")
+    assert saved == [
+        None,
+        os.path.join(str(tmp_path), "checkpoints", "epoch0globalstep1"),
+        None,
+        path,
+    ]
+    assert all(m.weight_format == "hf" and isinstance(m, SaveLoadMeta) for m in engine.metas)
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    assert torch.equal(reloaded.lm_head.weight, engine.model.lm_head.weight)
+    assert AutoTokenizer.from_pretrained(path).eos_token == tok.eos_token
+
+    state = saver.state_dict()
+    saver.save(engine, 1, 1, 4)  # one more step on the old saver: counter 1
+    resumed = Saver(SaverConfig(freq_steps=2), ft_spec, str(tmp_path))
+    resumed.load_state_dict(state)
+    assert resumed.save(engine, 1, 1, 4) is None
+    assert resumed.save(engine, 1, 2, 5, name="actor").endswith(
+        os.path.join("checkpoints", "actor", "epoch1globalstep5")
+    )
+    assert Saver(SaverConfig(), ft_spec, str(tmp_path)).save(engine, 0, 0, 0) is None
+    assert Saver(SaverConfig(), ft_spec, str(tmp_path)).save(engine, 0, 0, 0, force=True)
+
+
+def test_evaluator_runs_at_epoch_ends():
+    ft_spec = FinetuneSpec(total_train_epochs=2, dataset_size=12, train_batch_size=4)
+    ev = Evaluator(EvaluatorConfig(freq_epochs=1), ft_spec)
+    calls = []
+    results = [
+        ev.evaluate(lambda g=g: calls.append(g) or {"acc": g}, *divmod(g, 3), g) for g in range(6)
+    ]
+    assert calls == [2, 5]
+    assert results == [None, None, {"acc": 2}, None, None, {"acc": 5}]
+
+    # Every 2 epochs, interrupted after epoch 0: the restored evaluator still fires at g=5.
+    ev = Evaluator(EvaluatorConfig(freq_epochs=2), ft_spec)
+    assert [ev.evaluate(lambda: "ran", *divmod(g, 3), g) for g in range(3)] == [None] * 3
+    restored = Evaluator(EvaluatorConfig(freq_epochs=2), ft_spec)
+    restored.load_state_dict(ev.state_dict())
+    assert [restored.evaluate(lambda: "ran", *divmod(g, 3), g) for g in range(3, 6)] == [
+        None,
+        None,
+        "ran",
+    ]
