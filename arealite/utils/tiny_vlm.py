@@ -1,4 +1,4 @@
-"""Offline tiny vision-language model: a random Qwen2-VL of about 2M parameters plus its processor.
+"""Offline tiny vision-language model: a random Qwen2-VL of about 0.7M parameters plus its processor.
 
 Vision RL/SFT must be testable without a hub, through the same `AutoProcessor` /
 `AutoModelForImageTextToText.from_pretrained(path)` calls users make with Qwen2-VL. We write a real
@@ -177,7 +177,7 @@ def build_tiny_vlm(
     vision_heads: int = 4,
     vocab_size: int = 1024,
 ) -> str:
-    """Write processor + random Qwen2-VL (about 1M parameters by default) into `out_dir`."""
+    """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`."""
     import torch
     from transformers import AutoModelForImageTextToText, Qwen2VLConfig
 
