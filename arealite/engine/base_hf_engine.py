@@ -114,6 +114,15 @@ def packed_logprobs(
     return shift_right_packed(gather_logprobs(logits, labels, temperature), cu_seqlens)
 
 
+def target_mask(mb: dict[str, Any]) -> torch.Tensor:
+    """A packed micro-batch's `loss_mask` as bool, minus sequence starts: nothing predicts a
+    sequence's first token, so it can never be a target."""
+    mask = mb["loss_mask"].bool().clone()
+    starts = mb["cu_seqlens"][:-1].long()
+    mask[starts[starts < mask.numel()]] = False
+    return mask
+
+
 # ----------------------------------------------------------------------------- model / optimizer
 
 

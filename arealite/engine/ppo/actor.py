@@ -1,0 +1,304 @@
+"""The PPO / GRPO policy: recomputed logprobs, advantages, and the decoupled PPO update.
+
+Batch keys (padded [B, L] unless noted), as the rollout side produces them:
+  input_ids, attention_mask, loss_mask (1 on generated tokens), logprobs (the server's
+  behaviour logprobs, aligned with input_ids, 0 on the prompt), versions (weight version that
+  generated each token, -1 on the prompt), rewards [B] (one score per sequence).
+The algorithm adds: prox_logp (`compute_logp`, recomputed with the current weights), ref_logp
+(a reference model's `compute_logp`), values (critic), advantages / returns / kl_rewards /
+tot_rewards (`compute_advantages`).
+
+Samples of one prompt (a GRPO group of `group_size`) are adjacent rows, and a group never
+spans ranks. Every statistic reported is global over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from arealite.api.cli_args import PPOActorConfig
+from arealite.api.engine_api import TrainEngine
+from arealite.engine.base_hf_engine import packed_logprobs, target_mask
+from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.utils import distributed as du
+from arealite.utils.data import split_padded_tensor_dict
+from arealite.utils.functional import (
+    compute_gae,
+    dynamic_sampling_mask,
+    group_normalize,
+    kl_estimator,
+    masked_mean,
+    normalize_advantages,
+    overlong_penalty,
+    ppo_actor_loss_fn,
+    shape_rewards,
+)
+
+# Statistics accumulated over micro-batches as token-weighted sums (then all-reduced).
+_SUM_KEYS = ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask", "entropy")
+
+
+class PPOActor:
+    """PPO math around any TrainEngine whose micro-batches are packed dicts (see BaseHFEngine).
+
+    `max_response_len` (the rollout's max_new_tokens) is needed only for the DAPO overlong
+    penalty.
+    """
+
+    def __init__(
+        self, config: PPOActorConfig, engine: TrainEngine, max_response_len: int | None = None
+    ):
+        self.config = config
+        self.engine = engine
+        self.max_response_len = max_response_len or getattr(config, "max_new_tokens", None)
+
+    # -- logprobs ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logp(self, data: TensorDict, temperature: float | None = None) -> torch.Tensor:
+        """Logprobs [B, L] of the batch's tokens under the current weights at the sampling
+        temperature, aligned with input_ids (0 at position 0 and on padding)."""
+        t = self.config.temperature if temperature is None else temperature
+
+        def hook(logits, mb):
+            return packed_logprobs(logits, mb["input_ids"], mb["cu_seqlens"], t)
+
+        self.engine.eval()
+        out = self.engine.forward(data, post_hook=hook)
+        return None if out is None else out.float().cpu()
+
+    # -- advantages --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_advantages(self, data: TensorDict) -> dict[str, float]:
+        """Sequence rewards -> token advantages, in place (adds advantages, returns,
+        kl_rewards, tot_rewards, seq_rewards; with dynamic_sampling, zeroes loss_mask of
+        groups whose rewards are all equal). Returns global statistics.
+
+        rewards: shape (bias, scale, clip) -> DAPO overlong penalty -> zero if truncated
+        (mask_no_eos_with_zero) -> group normalisation (GRPO / Dr.GRPO / RLOO / none) ->
+        per-token KL penalty vs the reference (kl_ctl) with the sequence reward added at the
+        last generated token -> GAE (critic values when present, else V = 0: REINFORCE) ->
+        optional token-level advantage whitening.
+        """
+        cfg = self.config
+        rewards = _check_rewards(data)
+        loss_mask = data["loss_mask"].bool() & data["attention_mask"].bool()
+        raw = rewards
+        stats = {"reward_raw": masked_mean(rewards, None, all_reduce=True).item()}
+
+        rewards = shape_rewards(rewards, cfg.reward_scaling, cfg.reward_bias, cfg.reward_clip)
+        if cfg.overlong_reward_penalty:
+            if not self.max_response_len:
+                raise ValueError(
+                    "actor.overlong_reward_penalty needs the rollout's max_new_tokens: pass "
+                    "max_response_len= to the actor"
+                )
+            rewards = overlong_penalty(
+                rewards,
+                loss_mask.sum(1),
+                self.max_response_len,
+                cfg.overlong_tokens,
+                cfg.overlong_penalty_factor,
+            )
+        if cfg.mask_no_eos_with_zero:
+            rewards = torch.where(self._no_eos(data), 0.0, rewards)
+        if cfg.dynamic_sampling:
+            keep = dynamic_sampling_mask(raw, cfg.group_size).repeat_interleave(cfg.group_size)
+            loss_mask &= keep[:, None]
+            data["loss_mask"] = loss_mask.to(data["loss_mask"].dtype)
+            stats["dynamic_sampling_kept_frac"] = keep.float().mean().item()
+        rewards = group_normalize(
+            rewards,
+            cfg.group_size,
+            cfg.group_reward_mean_level,
+            cfg.group_reward_std_level,
+            leave_one_out=cfg.leave_one_out,
+        )
+
+        kl_rewards = self._kl_rewards(data, loss_mask)
+        tot_rewards = kl_rewards.clone()
+        rows = loss_mask.any(1).nonzero().flatten()
+        last = _last_true(loss_mask)[rows]
+        tot_rewards[rows, last] += rewards[rows].to(tot_rewards.dtype)
+
+        values = data["values"].float() if "values" in data.keys() else None
+        adv, returns = compute_gae(tot_rewards, values, loss_mask, cfg.discount, cfg.gae_lambda)
+        if cfg.adv_norm_mean_level != "none" or cfg.adv_norm_std_level != "none":
+            adv = normalize_advantages(
+                adv, loss_mask, cfg.adv_norm_mean_level, cfg.adv_norm_std_level
+            )
+        data["seq_rewards"] = rewards.float()
+        data["kl_rewards"], data["tot_rewards"] = kl_rewards, tot_rewards
+        data["advantages"], data["returns"] = adv.float(), returns.float()
+        stats["advantages"] = masked_mean(adv, loss_mask, all_reduce=True).item()
+        stats["kl_reward"] = masked_mean(kl_rewards, loss_mask, all_reduce=True).item()
+        return stats
+
+    def _no_eos(self, data: TensorDict) -> torch.Tensor:
+        """True for truncated sequences: `seq_no_eos_mask` from the rollout if given, else
+        the last real token is not an EOS id of the model."""
+        if "seq_no_eos_mask" in data.keys():
+            return data["seq_no_eos_mask"].bool()
+        eos = torch.tensor(getattr(self.engine, "eos_token_ids", []), dtype=torch.long)
+        if eos.numel() == 0:
+            raise ValueError("mask_no_eos_with_zero: no 'seq_no_eos_mask' and no EOS id known")
+        last = data["input_ids"].gather(1, _last_true(data["attention_mask"].bool())[:, None])
+        return ~torch.isin(last[:, 0], eos)
+
+    def _kl_rewards(self, data: TensorDict, loss_mask: torch.Tensor) -> torch.Tensor:
+        """-kl_ctl * KL(pi || pi_ref) per generated token (0 without a KL term)."""
+        zeros = torch.zeros(loss_mask.shape, dtype=torch.float32)
+        if self.config.kl_ctl == 0:
+            return zeros
+        if "ref_logp" not in data.keys():
+            raise KeyError(
+                "actor.kl_ctl > 0 needs 'ref_logp' in the batch: batch['ref_logp'] = "
+                "ref.compute_logp(batch)"
+            )
+        logp = data["prox_logp"] if "prox_logp" in data.keys() else data["logprobs"]
+        kl = kl_estimator(logp.float(), data["ref_logp"].float(), self.config.kl_estimator)
+        return torch.where(loss_mask, -self.config.kl_ctl * kl, zeros)
+
+    # -- update ------------------------------------------------------------------------------
+
+    def ppo_update(self, data: TensorDict) -> dict[str, float]:
+        """`ppo_n_minibatches` optimizer steps over the batch with the (decoupled) PPO loss.
+
+        Standard PPO: old = recomputed `prox_logp` (or the server's `logprobs` when
+        recompute_logprob=false). Decoupled PPO: old = behaviour `logprobs`, proximal =
+        `prox_logp`; the behaviour importance weight corrects for stale rollouts.
+        """
+        cfg = self.config
+        needed = ["loss_mask", "advantages", "logprobs"]
+        if cfg.recompute_logprob:
+            needed.append("prox_logp")
+        for key in needed:
+            if key not in data.keys():
+                hint = {
+                    "advantages": "call actor.compute_advantages(batch) first",
+                    "prox_logp": "batch['prox_logp'] = actor.compute_logp(batch)",
+                }.get(key, "the rollout must provide it")
+                raise KeyError(f"ppo_update: batch has no {key!r} ({hint})")
+        stats = self._batch_stats(data)
+        acc = dict.fromkeys((*_SUM_KEYS, "n_tokens", "behave_imp_weight", "behave_n"), 0.0)
+        loss_fn = self._make_loss_fn(acc)
+        step_stats = []
+        self.engine.train()
+        for mb in split_padded_tensor_dict(data, cfg.ppo_n_minibatches):
+            step_stats.append(self.engine.train_batch(mb, loss_fn, _n_targets))
+        totals = dict(zip(acc, du.all_reduce_sum(list(acc.values()))))
+        n = max(totals["n_tokens"], 1.0)
+        for k in _SUM_KEYS:
+            stats[k.replace("_mask", "_ratio")] = totals[k] / n
+        stats["behave_imp_weight"] = totals["behave_imp_weight"] / max(totals["behave_n"], 1.0)
+        stats["behave_mask_ratio"] = totals["behave_n"] / n
+        for k in ("loss", "grad_norm"):
+            stats[k] = sum(s[k] for s in step_stats) / len(step_stats)
+        stats["lr"] = step_stats[-1]["lr"]
+        stats["update_successful"] = min(s["update_successful"] for s in step_stats)
+        stats["n_minibatches"] = float(len(step_stats))
+        return stats
+
+    def _make_loss_fn(self, acc: dict[str, float]):
+        cfg = self.config
+
+        def loss_fn(logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+            cu = mb["cu_seqlens"]
+            logp, entropy = packed_logprobs(logits, mb["input_ids"], cu, cfg.temperature, True)
+            mask = target_mask(mb)
+            if cfg.use_decoupled_loss:
+                old, prox = mb["logprobs"], mb["prox_logp"]
+            else:
+                old, prox = (mb["prox_logp"] if cfg.recompute_logprob else mb["logprobs"]), None
+            loss, st = ppo_actor_loss_fn(
+                logp,
+                old.float(),
+                mb["advantages"].float(),
+                cfg.eps_clip,
+                mask,
+                eps_clip_higher=cfg.eps_clip_higher,
+                c_clip=cfg.c_clip,
+                proximal_logprobs=None if prox is None else prox.float(),
+                behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+                importance_sampling_level=cfg.importance_sampling_level,
+                cu_seqlens=cu,
+            )
+            acc["n_tokens"] += float(mask.sum())
+            for k in ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask"):
+                acc[k] += float(st[k].float().sum())
+            acc["entropy"] += float(torch.where(mask, entropy.detach(), 0).sum())
+            acc["behave_imp_weight"] += float(st["behave_imp_weight"].sum())
+            acc["behave_n"] += float(st["behave_mask"].sum())
+            return loss
+
+        return loss_fn
+
+    def _batch_stats(self, data: TensorDict) -> dict[str, float]:
+        """Global pre-update statistics: sizes, staleness, trainer-vs-server logprob gap."""
+        mask = data["loss_mask"].bool() & data["attention_mask"].bool()
+        n_tokens, n_seqs = du.all_reduce_sum([float(mask.sum()), float(data.batch_size[0])])
+        stats = {"n_tokens": n_tokens, "n_seqs": n_seqs}
+        if "versions" in data.keys():
+            stale = (self.engine.get_version() - data["versions"]).float()
+            stats["staleness"] = masked_mean(stale, mask, all_reduce=True).item()
+            big = stale[mask].max().item() if bool(mask.any()) else 0.0
+            stats["staleness_max"] = du.all_reduce_max([big])[0]
+        if "prox_logp" in data.keys():
+            behav, prox = data["logprobs"].float(), data["prox_logp"].float()
+            for kind in ("k1", "k3"):  # KL(behaviour || current), sampled from behaviour
+                kl = kl_estimator(behav, prox, kind)
+                stats[f"behave_kl_{kind}"] = masked_mean(kl, mask, all_reduce=True).item()
+            gap = (behav - prox).abs()[mask].max().item() if bool(mask.any()) else 0.0
+            stats["behave_logp_absdiff_max"] = du.all_reduce_max([gap])[0]
+        stats["advantages_mean"] = masked_mean(
+            data["advantages"].float(), mask, all_reduce=True
+        ).item()
+        return stats
+
+
+def _n_targets(mb: dict[str, Any]) -> float:
+    return float(target_mask(mb).sum())
+
+
+def _last_true(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True per row of a [B, L] bool mask (0 for an all-False row)."""
+    L = mask.shape[1]
+    idx = torch.arange(L).expand_as(mask)
+    return torch.where(mask, idx, -1).max(1).values.clamp(min=0)
+
+
+def _check_rewards(data: TensorDict) -> torch.Tensor:
+    for key in ("rewards", "loss_mask", "attention_mask", "input_ids"):
+        if key not in data.keys():
+            raise KeyError(
+                f"compute_advantages: batch has no {key!r} (keys: {sorted(data.keys())})"
+            )
+    r = data["rewards"]
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be one score per sequence [B], got shape {tuple(r.shape)}")
+    bad = (~torch.isfinite(r.float())).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"rewards has non-finite values (NaN/inf) at rows {bad[:8]}")
+    return r.float()
+
+
+class FSDPPPOActor(FSDPEngine):
+    """An FSDPEngine that is a PPO actor. With `config.optimizer=None` it is a forward-only
+    reference model: `ref.compute_logp(batch)`."""
+
+    def __init__(self, config: PPOActorConfig, max_response_len: int | None = None):
+        super().__init__(config)
+        self.actor = PPOActor(config, self, max_response_len)
+
+    def compute_logp(self, data: TensorDict, temperature: float | None = None) -> torch.Tensor:
+        return self.actor.compute_logp(data, temperature)
+
+    def compute_advantages(self, data: TensorDict) -> dict[str, float]:
+        return self.actor.compute_advantages(data)
+
+    def ppo_update(self, data: TensorDict) -> dict[str, float]:
+        return self.actor.ppo_update(data)

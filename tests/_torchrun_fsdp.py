@@ -1,0 +1,103 @@
+"""Run under torchrun by tests/test_fsdp_engine.py (and importable for its helpers).
+
+Each rank trains on its slice of one fixed global batch (deliberately uneven, so ranks run
+different numbers of real micro-batches), then saves an HF checkpoint; rank 0 writes the
+losses and the full updated weights to --out for the test to compare with a 1-rank run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from arealite.api.cli_args import FSDPConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from arealite.utils.data import pad_sequences_to_tensors
+from arealite.utils.fsdp import iter_full_buckets, plan_buckets
+
+VOCAB = 600  # below the tiny model's vocabulary size
+
+
+def make_batch(n: int = 8, seed: int = 0, min_len: int = 4, max_len: int = 40):
+    """A padded batch with a loss mask on the second half of every sequence."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        prompt = max(1, length // 2)
+        rows.append(
+            {
+                "input_ids": torch.randint(0, VOCAB, (length,), generator=g),
+                "loss_mask": torch.tensor([0] * prompt + [1] * (length - prompt)),
+            }
+        )
+    return pad_sequences_to_tensors(rows)
+
+
+def engine_config(model_dir: str, max_tokens: int | None = None, **kw) -> TrainEngineConfig:
+    """fp32 everywhere so 1-rank, 2-rank and plain PyTorch agree to 1e-5.
+
+    Adam's first step is lr * g / (|g| + eps): near g = 0 it amplifies float-reduction noise
+    (~1e-9 here, from a different summation order) by lr / eps, so eps = 1e-6 rather than
+    1e-8 keeps the weight comparison meaningful at 1e-5."""
+    opt = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, eps=1e-6)
+    return TrainEngineConfig(
+        path=model_dir,
+        fsdp=FSDPConfig(param_dtype="float32", reduce_dtype="float32"),
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens),
+        optimizer=kw.pop("optimizer", opt),
+        **kw,
+    )
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded, on CPU (a collective: call on all ranks)."""
+    out = {}
+    for bucket in iter_full_buckets(plan_buckets(engine.model, 1 << 30)):
+        out.update({k: v.clone() for k, v in bucket.items()})
+    return out
+
+
+def rank_slice(n: int, rank: int, world: int) -> slice:
+    """Uneven split: rank 0 takes more rows than the others."""
+    if world == 1:
+        return slice(0, n)
+    first = n // world + 2
+    if rank == 0:
+        return slice(0, first)
+    rest = (n - first) // (world - 1)
+    start = first + (rank - 1) * rest
+    return slice(start, n if rank == world - 1 else start + rest)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=48)
+    a = p.parse_args()
+
+    from arealite.api.io_struct import SaveLoadMeta
+    from arealite.engine.sft.lm_engine import FSDPLMEngine
+    from arealite.utils import distributed as du
+
+    engine = FSDPLMEngine(engine_config(a.model, a.max_tokens, weight_update_bucket_mb=1))
+    engine.initialize(None, None)
+    rank, world = du.rank(), du.world_size()
+    stats = []
+    for step in range(a.steps):
+        batch = make_batch(seed=step)
+        stats.append(engine.train_lm(batch[rank_slice(batch.batch_size[0], rank, world)]))
+    weights = full_weights(engine)
+    engine.save(SaveLoadMeta(path=a.hf_dir, weight_format="hf"))
+    if rank == 0:
+        torch.save({"stats": stats, "weights": weights, "world": world}, a.out)
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

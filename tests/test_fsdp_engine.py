@@ -1,0 +1,299 @@
+"""FSDPEngine on the tiny model: exact packing, split/rank invariance, save/load, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _torchrun_fsdp import engine_config, full_weights, make_batch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from arealite.api.cli_args import OptimizerConfig
+from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from arealite.engine.base_hf_engine import lr_lambda
+from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
+from arealite.utils.network import find_free_port
+
+TOL = 1e-5
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    engines = []
+
+    def make(max_tokens=None, ft_spec=None, **kw):
+        e = FSDPEngine(engine_config(tiny_model_dir, max_tokens, **kw))
+        e.initialize(None, ft_spec)
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.destroy()
+
+
+def train_step(engine, batch):
+    return engine.train_batch(batch, sft_loss_fn, sft_loss_weight)
+
+
+def hf_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Aligned logprobs of one unpadded sequence from a plain forward (0 at position 0)."""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+    return torch.cat([lp.new_zeros(1), lp])
+
+
+def assert_weights_close(a: dict, b: dict, tol: float = TOL) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
+
+
+def assert_moved(before: dict, after: dict) -> None:
+    assert max((before[k] - after[k]).abs().max().item() for k in before) > 100 * TOL
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_packed_logprobs_equal_unpacked_forward(make_engine, tiny_model_dir, attn_impl):
+    batch = make_batch(n=6, seed=3)
+    engine = make_engine(max_tokens=64, attn_impl=attn_impl)  # several sequences per row
+    lp, ent = engine.compute_logprobs(batch, temperature=0.7, with_entropy=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn_impl)
+    lens = batch["attention_mask"].sum(1).tolist()
+    for i, n in enumerate(lens):
+        ids = batch["input_ids"][i, :n]
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0] / 0.7
+        ref = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+        torch.testing.assert_close(lp[i, 1:n], ref, atol=TOL, rtol=0)
+        ref_ent = -(logits[:-1].softmax(-1) * logits[:-1].log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(ent[i, 1:n], ref_ent, atol=TOL, rtol=0)
+        assert lp[i, 0] == 0 and bool((lp[i, n:] == 0).all())
+
+
+def test_forward_restores_original_order(make_engine):
+    batch = make_batch(n=7, seed=5)
+    engine = make_engine(max_tokens=40)  # balanced split reorders sequences
+    out = engine.forward(batch, post_hook=lambda logits, mb: mb["input_ids"].float())
+    assert out.shape == batch["input_ids"].shape
+    assert torch.equal(
+        out.long() * batch["attention_mask"], batch["input_ids"] * batch["attention_mask"]
+    )
+    per_seq = engine.forward(
+        batch,
+        output_seqlens=[1] * 7,
+        post_hook=lambda logits, mb: mb["cu_seqlens"].diff().float(),
+        aggregate_fn=lambda xs: torch.cat(xs),
+    )
+    assert per_seq.tolist() == batch["attention_mask"].sum(1).float().tolist()
+
+
+# --------------------------------------------------------------------------- exact training
+
+
+def test_microbatch_split_does_not_change_the_step(make_engine):
+    batch = make_batch(n=8)
+    small, large = make_engine(max_tokens=24), make_engine(max_tokens=None)
+    before = full_weights(large)
+    s_small, s_large = train_step(small, batch), train_step(large, batch)
+    assert s_small["n_mbs"] > 4 and s_large["n_mbs"] == 1
+    assert abs(s_small["loss"] - s_large["loss"]) < TOL
+    assert abs(s_small["grad_norm"] - s_large["grad_norm"]) < TOL
+    after = full_weights(large)
+    assert_moved(before, after)
+    assert_weights_close(full_weights(small), after)
+
+
+def plain_pytorch_step(model_dir: str, batch, lr=1e-3, wd=0.01, clip=1.0):
+    """The reference: unsharded HF model, padded batch, token-mean NLL, AdamW, clipping."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        eps=1e-6,
+    )
+    ids, att = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=att).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    mask = batch["loss_mask"][:, 1:].bool() & att[:, 1:].bool()
+    loss = -(logp * mask).sum() / mask.sum()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    return float(loss), float(norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_matches_plain_pytorch_adamw_step(make_engine, tiny_model_dir):
+    batch = make_batch(n=8)
+    engine = make_engine(max_tokens=48)
+    stats = train_step(engine, batch)
+    loss, norm, ref = plain_pytorch_step(tiny_model_dir, batch)
+    assert abs(stats["loss"] - loss) < TOL and abs(stats["grad_norm"] - norm) < 1e-4
+    assert stats["n_seqs"] == 8 and stats["lr"] == pytest.approx(1e-3)
+    assert_weights_close(full_weights(engine), ref)
+
+
+def test_gradient_checkpointing_gives_the_same_step(make_engine):
+    batch = make_batch(n=4)
+    plain, ckpt = (
+        make_engine(max_tokens=48),
+        make_engine(max_tokens=48, gradient_checkpointing=True),
+    )
+    assert abs(train_step(plain, batch)["loss"] - train_step(ckpt, batch)["loss"]) < TOL
+    assert_weights_close(full_weights(plain), full_weights(ckpt))
+
+
+@pytest.mark.integration
+def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
+    out, hf_dir = tmp_path / "r.pt", tmp_path / "hf2"
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(find_free_port()), script,
+        "--model", tiny_model_dir, "--out", str(out), "--hf-dir", str(hf_dir),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = torch.load(out, weights_only=False)
+    assert two["world"] == 2
+
+    engine = make_engine(max_tokens=48)
+    one = [train_step(engine, make_batch(seed=s)) for s in range(2)]
+    for a, b in zip(one, two["stats"]):
+        assert abs(a["loss"] - b["loss"]) < TOL and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+        assert a["n_seqs"] == b["n_seqs"] == 8
+    weights = full_weights(engine)
+    assert_weights_close(weights, two["weights"])
+    # The HF checkpoint gathered from 2 shards in 1 MiB buckets is the same model.
+    assert len(json.load(open(hf_dir / "model.safetensors.index.json"))["weight_map"]) > 0
+    loaded = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    assert_weights_close({k: loaded[k] for k in weights}, weights)
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def test_save_hf_reproduces_logits(make_engine, tmp_path, tiny_model_dir):
+    batch = make_batch(n=3)
+    engine = make_engine(max_tokens=64)
+    train_step(engine, batch)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine.save(SaveLoadMeta(path=str(tmp_path / "hf"), tokenizer=tok))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    lp = engine.compute_logprobs(batch)
+    for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+        torch.testing.assert_close(
+            lp[i, :n], hf_logprobs(model, batch["input_ids"][i, :n]), atol=TOL, rtol=0
+        )
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("1+1") == tok.encode("1+1")
+    # load(hf) restores weights into a fresh engine
+    fresh = make_engine(max_tokens=64)
+    fresh.load(SaveLoadMeta(path=str(tmp_path / "hf")))
+    assert_weights_close(full_weights(fresh), full_weights(engine))
+
+
+def test_upload_weights_disk_is_sharded_and_replaces_atomically(make_engine, tmp_path):
+    engine = make_engine(weight_update_bucket_mb=1)
+    path = tmp_path / "weights"
+    engine.upload_weights(WeightUpdateMeta.from_disk(str(path), version=1))
+    first = full_weights(engine)
+    train_step(engine, make_batch(n=2))
+    engine.upload_weights(WeightUpdateMeta.from_disk(str(path), version=2))
+    index = json.load(open(path / "model.safetensors.index.json"))
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((path / s).exists() for s in shards)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no staging left
+    loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    now = full_weights(engine)
+    assert_weights_close({k: loaded[k] for k in now}, now)
+    assert_moved(first, now)
+
+
+def test_dcp_resume_equals_uninterrupted_run(make_engine, tmp_path):
+    spec = FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
+    b1, b2 = make_batch(n=4, seed=1), make_batch(n=4, seed=2)
+    cosine = dict(lr=1e-3, lr_scheduler_type="cosine")
+    a = make_engine(max_tokens=48, ft_spec=spec, optimizer=OptimizerConfig(**cosine))
+    train_step(a, b1)
+    a.step_lr_scheduler()
+    a.set_version(1)
+    a.save(SaveLoadMeta(path=str(tmp_path / "ckpt"), weight_format="dcp", with_optim=True))
+    torch.manual_seed(123)  # RNG state must come back from the checkpoint
+    s_a = train_step(a, b2)
+
+    b = make_engine(max_tokens=48, ft_spec=spec, optimizer=OptimizerConfig(**cosine))
+    b.load(SaveLoadMeta(path=str(tmp_path / "ckpt"), weight_format="dcp", with_optim=True))
+    assert b.get_version() == 1
+    s_b = train_step(b, b2)
+    assert s_a["lr"] == s_b["lr"] < 1e-3
+    assert abs(s_a["loss"] - s_b["loss"]) < TOL
+    assert_weights_close(full_weights(a), full_weights(b))
+
+
+def test_lr_schedules():
+    cos = lr_lambda("cosine", warmup_steps=2, total_steps=10, min_ratio=0.1)
+    assert [cos(0), cos(1), cos(2)] == [0.5, 1.0, 1.0]
+    assert cos(10) == pytest.approx(0.1) and cos(6) == pytest.approx(0.55)
+    lin = lr_lambda("linear", 0, 10, 0.0)
+    assert lin(5) == pytest.approx(0.5) and lin(20) == 0.0
+    assert lr_lambda("constant", 0, 10, 0.0)(7) == 1.0
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_batches_name_the_field(make_engine):
+    engine = make_engine(max_tokens=48)
+    batch = make_batch(n=3)
+    bad = dict(batch.items())
+    bad["loss_mask"] = batch["loss_mask"][:, :-1]  # one column short
+    with pytest.raises(ValueError, match="loss_mask"):
+        train_step(engine, TensorDict(bad, batch_size=[3]))
+    nan = batch.clone()
+    nan["logprobs"] = torch.zeros(batch["input_ids"].shape)
+    nan["logprobs"][1, 2] = float("nan")
+    with pytest.raises(ValueError, match="logprobs"):
+        train_step(engine, nan)
+    no_mask = batch.exclude("attention_mask")
+    with pytest.raises(KeyError, match="attention_mask"):
+        train_step(engine, no_mask)
+    left_padded = batch.clone()
+    left_padded["attention_mask"] = batch["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="right-padded"):
+        train_step(engine, left_padded)
+
+
+def test_empty_batch_skips_the_step_with_a_warning(make_engine):
+    engine = make_engine(max_tokens=48)
+    before = full_weights(engine)
+    with pytest.warns(UserWarning, match="empty"):
+        stats = train_step(engine, make_batch(n=3)[:0])
+    assert stats["update_successful"] == 0.0
+    batch = make_batch(n=2)
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    with pytest.warns(UserWarning, match="weight is 0"):
+        train_step(engine, batch)
+    assert_weights_close(full_weights(engine), before, tol=0)
+    assert engine.forward(make_batch(n=3)[:0]) is None
+
+
+def test_forward_only_engine_refuses_to_train(make_engine):
+    ref = make_engine(optimizer=None)
+    assert ref.compute_logprobs(make_batch(n=2)).shape[0] == 2
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        train_step(ref, make_batch(n=2))
