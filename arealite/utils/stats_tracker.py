@@ -42,7 +42,7 @@ class StatsTracker:
         self._reset()
 
     def _reset(self) -> None:
-        self._counts: dict[str, float] = defaultdict(float)  # denominators
+        self._counts: dict[str, Any] = {}  # denominators: running count (a device tensor)
         self._stats: dict[str, list[torch.Tensor]] = defaultdict(list)  # [sum, n, min, max]
         self._reduce: dict[str, str] = {}
         self._scalars: dict[str, list[float]] = defaultdict(list)
@@ -70,7 +70,7 @@ class StatsTracker:
                 )
             key = self._key(name)
             self._masks[key] = mask.detach()
-            self._counts[key] += float(mask.sum())
+            self._counts[key] = self._counts.get(key, 0) + mask.sum()
 
     def stat(self, denominator: str, reduce_type: str = "avg_min_max", **values: torch.Tensor):
         """Record tensors shaped like the mask `denominator` (named within the current scope)."""
@@ -154,7 +154,7 @@ class StatsTracker:
     def _local_row(self, kind_key: tuple[str, str]) -> list[float]:
         kind, key = kind_key
         if kind == "count":
-            return [self._counts.get(key, 0.0), 0.0, math.inf, -math.inf]
+            return [float(self._counts.get(key, 0.0)), 0.0, math.inf, -math.inf]
         if kind == "scalar":
             vals = self._scalars.get(key, [])
             return [sum(vals), len(vals), min(vals, default=math.inf), max(vals, default=-math.inf)]
