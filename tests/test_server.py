@@ -267,6 +267,19 @@ def test_update_weights_from_disk_changes_outputs_and_version(
     assert restored["meta_info"]["weight_version"] == v0 + 2
 
 
+@pytest.mark.integration
+def test_client_disconnect_frees_its_batch_slot(server):
+    aborted = metric(server, 'requests_total{finish_reason="abort"}')
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    with pytest.raises(requests.exceptions.Timeout):
+        requests.post(f"{server.url}/generate", json=body, headers=AUTH, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while metric(server, 'requests_total{finish_reason="abort"}') < aborted + 1:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.1)
+    assert metric(server, "running_requests") == 0
+
+
 # ---- robustness ----------------------------------------------------------------------------------
 BAD_BODIES = [
     (b'{"sampling_params": {}}', "input_ids"),

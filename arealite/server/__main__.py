@@ -63,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def _serve(app, args, scheduler) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(
-        app, access_log=logging.getLogger("aiohttp.access") if args.access_log else None
-    )
+    access_log = logging.getLogger("aiohttp.access") if args.access_log else None
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its row.
+    runner = web.AppRunner(app, access_log=access_log, handler_cancellation=True)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

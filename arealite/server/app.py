@@ -131,7 +131,7 @@ class InferenceServer:
             try:
                 seq = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:  # client went away: free its batch slot
-                self.scheduler.abort(req.rid)
+                self.scheduler.abort_sequence(seq)
                 raise
         return web.json_response(self._generate_response(seq))
 

@@ -12,6 +12,7 @@ import glob
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -127,12 +128,8 @@ class ModelRunner:
             self.batch = joined if self.batch is None else self._merge(self.batch, joined)
         return self._drop(lambda s: s.finish_reason is not None)
 
-    def abort(self, rids: set[str] | None, message: str) -> list[Sequence]:
-        """Remove running rows (all when `rids` is None), marking them finished by abort."""
-
-        def hit(s: Sequence) -> bool:
-            return rids is None or s.rid in rids
-
+    def abort(self, hit: Callable[[Sequence], bool], message: str) -> list[Sequence]:
+        """Remove the running rows `hit` selects, marking them finished by abort."""
         if self.batch is not None:
             for s in self.batch.seqs:
                 if hit(s):

@@ -62,6 +62,7 @@ class Scheduler:
         self._to_abort_waiting: list[Sequence] = []
         self._abort_all = False
         self._abort_rids: set[str] = set()
+        self._abort_ids: set[int] = set()  # id(seq) of single submissions to abort
         self._pause_acks: list[Future] = []
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = False
@@ -93,15 +94,26 @@ class Scheduler:
     def abort(self, rid: str | None) -> None:
         """Abort one request id (waiting or running), or everything when rid is None."""
         with self._cond:
-            hit = [s for s in self._waiting if rid is None or s.rid == rid]
-            for s in hit:
-                self._waiting.remove(s)
-            self._to_abort_waiting.extend(hit)
+            self._abort_waiting_where(lambda s: rid is None or s.rid == rid)
             if rid is None:
                 self._abort_all = True
             else:
                 self._abort_rids.add(rid)
             self._cond.notify()
+
+    def abort_sequence(self, seq: Sequence) -> None:
+        """Abort exactly this submission (its client left; a retry may reuse the rid)."""
+        with self._cond:
+            if not self._abort_waiting_where(lambda s: s is seq):
+                self._abort_ids.add(id(seq))
+            self._cond.notify()
+
+    def _abort_waiting_where(self, hit) -> bool:
+        found = [s for s in self._waiting if hit(s)]
+        for s in found:
+            self._waiting.remove(s)
+        self._to_abort_waiting.extend(found)
+        return bool(found)
 
     def pause(self) -> Future:
         """Abort all in-flight requests and hold new ones; resolves once nothing is running."""
@@ -148,6 +160,7 @@ class Scheduler:
             self._stopping
             or self._abort_all
             or self._abort_rids
+            or self._abort_ids
             or self._to_abort_waiting
             or self._pause_acks
             or running
@@ -181,10 +194,13 @@ class Scheduler:
         self._to_abort_waiting = []
         for s in aborted:
             s.finish_reason = {"type": "abort", "message": "aborted before it started"}
-        if self._abort_all or self._abort_rids:
-            rids = None if self._abort_all else set(self._abort_rids)
-            aborted += self.runner.abort(rids, "aborted by pause_generation or abort_request")
-        self._abort_all, self._abort_rids = False, set()
+        if self._abort_all or self._abort_rids or self._abort_ids:
+            every, rids, ids = self._abort_all, self._abort_rids, self._abort_ids
+            aborted += self.runner.abort(
+                lambda s: every or s.rid in rids or id(s) in ids,
+                "aborted by pause_generation, abort_request or a client disconnect",
+            )
+        self._abort_all, self._abort_rids, self._abort_ids = False, set(), set()
         return aborted
 
     def _take_aborts_for_shutdown(self) -> list[Sequence]:
