@@ -169,7 +169,7 @@ def test_interrupted_generation_resumes_across_weight_update(tiny_model_dir, tin
     try:
         greedy = gen(8, greedy=True)
         before = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=greedy)))
-        budget, n = 96, 4
+        budget, n = 64, 4
         sampled = gen(budget, temperature=1.0, ignore_eos=True)
 
         async def scenario():
@@ -274,3 +274,17 @@ def test_sticky_routing_and_failover_when_a_server_dies(tiny_model_dir):
         engine.destroy()
         a.stop()
         b.stop()
+
+
+def test_nccl_update_errors_are_clear_and_release_the_pause(engine):
+    meta = WeightUpdateMeta.from_nccl("127.0.0.1", find_free_port(), version=1)
+    with pytest.raises(ValueError, match="nccl_param_specs"):
+        engine.update_weights(meta).result(timeout=60)
+    # The embedded server has no NCCL path: every server's refusal is reported, and
+    # generation is allowed again afterwards.
+    meta.nccl_param_specs = [[("model.embed_tokens.weight", [8, 4], "float32")]]
+    with pytest.raises(RuntimeError, match="init_weights_update_group failed on every server.*501"):
+        engine.update_weights(meta).result(timeout=60)
+    assert engine.weight_version == 0 and not engine.failed
+    resp = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=gen(2))))
+    assert resp.output_versions == [0] * resp.output_len

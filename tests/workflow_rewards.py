@@ -38,3 +38,9 @@ def correct_on_second_turn(prompt, completions, prompt_ids, completion_ids, **ro
 def echo_row(prompt, completions, prompt_ids, completion_ids, **row):
     """The row's `target` field must reach the reward function unchanged."""
     return float(row["target"])
+
+
+def hangs_if_asked(prompt, completions, prompt_ids, completion_ids, **row):
+    if row.get("hang"):
+        time.sleep(3600)
+    return 1.0

@@ -40,6 +40,14 @@ logger = logging.getLogger("arealite.remote")
 
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 _STICKY_CAPACITY = 16384  # remembered rid -> server entries (LRU)
+COUNTER_KEYS = (
+    "generate_calls",  # HTTP generate calls (a resumed request makes several)
+    "aborted_chunks",  # answers that came back aborted and were resubmitted
+    "failovers",  # requests moved to another server
+    "http_retries",
+    "servers_removed",
+    "weight_updates",
+)
 
 
 class ServerUnavailable(ConnectionError):
@@ -70,6 +78,9 @@ class GenerateChunk:
     output_logprobs: list[float]
     finish: str  # "stop" | "length" | "abort"
     version: int | None  # weight version that produced the tokens, if the server says
+    # Per-token versions when the server reports them (vLLM's weight_versions spans); None
+    # entries fall back to `version`, then to the version last pushed.
+    token_versions: list[int | None] | None = None
 
 
 def parse_version(value: Any) -> int | None:
@@ -105,7 +116,8 @@ class RemoteInferenceEngine(InferenceEngine):
         self.config = config
         self.addresses: list[str] = []
         self.failed: dict[str, str] = {}  # addr -> why it left the rotation
-        self.counters: Counter[str] = Counter()
+        # All keys up front: stats() may copy this from another thread while the loop counts.
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTER_KEYS, 0))
         self.executor = WorkflowExecutor(config, self)
         self._version = 0  # policy version for the staleness bound (set by the trainer)
         self._weight_version = 0  # version last pushed to the servers
@@ -403,7 +415,10 @@ class RemoteInferenceEngine(InferenceEngine):
             v = chunk.version if chunk.version is not None else self._weight_version
             tokens += chunk.output_tokens
             logprobs += chunk.output_logprobs
-            versions += [v] * len(chunk.output_tokens)
+            if chunk.token_versions is None:
+                versions += [v] * len(chunk.output_tokens)
+            else:
+                versions += [v if t is None else t for t in chunk.token_versions]
             if chunk.finish != "abort":
                 stop_reason = chunk.finish
                 break
@@ -579,7 +594,10 @@ def _error_message(text: str) -> str:
     if isinstance(body, dict):
         for k in ("error", "message", "detail"):
             if body.get(k):
-                return str(body[k])[:500]
+                inner = body[k]  # vLLM / OpenAI: {"error": {"message": ..., "type": ...}}
+                if isinstance(inner, dict) and inner.get("message"):
+                    inner = inner["message"]
+                return str(inner)[:500]
     return text[:500]
 
 

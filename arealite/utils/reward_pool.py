@@ -53,6 +53,12 @@ class _Generation:
         # One task per worker spawns them all now (workers start on demand), so module
         # import time is not charged to the first reward calls' timeout.
         self.warmup = [self.pool.submit(_warmup) for _ in range(max_workers)]
+        # The executor joins its workers at interpreter exit, which would hang on a stuck one;
+        # threading's exit hooks run in reverse order, so this kill runs before that join.
+        try:
+            threading._register_atexit(self.kill)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # no such hook, or already shutting down
+            pass
         self.pending: set[concurrent.futures.Future] = set()
         self.retired = False
         self.killed = False
@@ -184,6 +190,13 @@ class RewardPool:
             drained = not gen.pending
         if drained:
             gen.kill()
+
+    def worker_pids(self) -> list[int]:
+        """Pids of live worker processes (monitoring; stuck workers show up here)."""
+        with self._lock:
+            gens = [g for g in self._gens if not g.killed]
+        procs = [p for g in gens for p in list(getattr(g.pool, "_processes", {}).values())]
+        return [p.pid for p in procs if p.is_alive()]
 
     def close(self) -> None:
         """Kill every worker (stuck ones included)."""

@@ -92,6 +92,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.feedback_ids = feedback_suffix_ids(tokenizer, feedback, enable_thinking)
         self.reward_pool = reward_pool or RewardPool(reward_fn, reward_workers, reward_timeout)
 
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.reward_pool.close()
+
     @property
     def reward_stats(self) -> dict[str, int]:
         return dict(self.reward_pool.stats)

@@ -98,6 +98,10 @@ class RLVRWorkflow(RolloutWorkflow):
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)
 
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.reward_pool.close()
+
     @property
     def reward_stats(self) -> dict[str, int]:
         """calls / ok / timeouts / errors of the reward function so far."""
