@@ -24,8 +24,10 @@ pytestmark = pytest.mark.integration
 class OneGeneration(RolloutWorkflow):
     """A short real generation; fails on items with 'boom', rejects items with 'reject'."""
 
-    def __init__(self, max_new_tokens: int = 3):
-        self.gconfig = GenerationHyperparameters(max_new_tokens=max_new_tokens)
+    def __init__(self, max_new_tokens: int = 3, ignore_eos: bool = False):
+        self.gconfig = GenerationHyperparameters(
+            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos
+        )
 
     async def arun_episode(self, engine, data):
         if data.get("boom"):
@@ -39,6 +41,11 @@ class OneGeneration(RolloutWorkflow):
         return pad_sequences_to_tensors(
             [{"input_ids": torch.tensor(seq), "item": torch.tensor(data["id"])}]
         )
+
+
+class ReturnsDict(RolloutWorkflow):
+    async def arun_episode(self, engine, data):
+        return {"input_ids": [1]}
 
 
 class Forever(RolloutWorkflow):
@@ -146,6 +153,8 @@ def test_workflow_exception_surfaces_with_its_data_item(engine_factory):
     assert engine.stats()["failed"] == 1
     with pytest.raises(RolloutError, match="'id': 3"):
         engine.rollout_batch([{"id": 2}, {"id": 3, "boom": True}], wf)
+    with pytest.raises(RolloutError, match="must return a TensorDict or None, got dict"):
+        engine.rollout_batch([{"id": 4}], ReturnsDict())
 
 
 def test_rollout_batch_larger_than_queue(engine_factory):
@@ -201,14 +210,19 @@ def test_destroy_cancels_episodes_and_joins_thread(server):
     assert len(rollout_threads()) == before + 1
     for i in range(3):
         engine.submit({"id": i}, Forever())
+    engine.submit({"id": 3}, OneGeneration(1000, ignore_eos=True))  # an HTTP request in flight
     deadline = time.monotonic() + 10
-    while engine.stats()["running"] < 3:
+    while engine.stats()["running"] < 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    time.sleep(0.3)
     start = time.monotonic()
     engine.destroy()
     assert time.monotonic() - start < 10
     assert len(rollout_threads()) == before
-    assert engine.stats()["running"] == 0
+    s = engine.stats()
+    assert (s["running"], s["failed"], s["generate_calls"]) == (0, 0, 0)
+    assert not engine.failed  # cancelling a request is not a server failure
+    assert engine._session is None
     with pytest.raises(RuntimeError, match="not running"):
         engine.submit({"id": 0}, Forever())

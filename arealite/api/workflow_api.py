@@ -22,15 +22,15 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from tensordict import TensorDict
 
 from arealite.utils.data import concat_padded_tensors
 
 if TYPE_CHECKING:
-    from tensordict import TensorDict
-
     from arealite.api.cli_args import InferenceEngineConfig
     from arealite.api.engine_api import InferenceEngine
 
@@ -129,6 +129,7 @@ class WorkflowExecutor:
         self._loop_error: BaseException | None = None
         self._data_iter: Any = None
         self._dataloader: Any = None
+        self._shutdown_hooks: list[Callable[[], Awaitable[Any]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,6 +159,11 @@ class WorkflowExecutor:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("rollout thread did not stop within %.0fs", timeout)
+
+    def add_shutdown_hook(self, hook: Callable[[], Awaitable[Any]]) -> None:
+        """`await hook()` on the loop at destroy, after every episode has been cancelled (e.g.
+        close the engine's HTTP session only once nothing uses it)."""
+        self._shutdown_hooks.append(hook)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -415,6 +421,11 @@ class WorkflowExecutor:
             t.cancel()
         if pending:
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        for hook in self._shutdown_hooks:
+            try:
+                loop.run_until_complete(hook())
+            except Exception:
+                logger.exception("rollout shutdown hook %r failed", hook)
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
         with self._cond:
@@ -440,13 +451,24 @@ class WorkflowExecutor:
                 ep = self._input.get_nowait()
             except queue.Empty:
                 return
-            task = asyncio.ensure_future(ep.workflow.arun_episode(self.engine, ep.data))
+            task = asyncio.ensure_future(self._run_episode(ep))
             with self._cond:
                 self.stat.running += 1
                 self._cond.notify_all()  # the input queue has room again
             self._tasks.add(task)
             task.add_done_callback(lambda t, ep=ep: self._on_done(t, ep))
             n -= 1
+
+    async def _run_episode(self, ep: _Episode) -> TensorDict | None:
+        """The episode, then its acceptance test; any exception is the episode's failure."""
+        result = await ep.workflow.arun_episode(self.engine, ep.data)
+        if result is not None and not isinstance(result, TensorDict):
+            raise TypeError(
+                f"arun_episode must return a TensorDict or None, got {type(result).__name__}"
+            )
+        if result is not None and ep.should_accept is not None and not ep.should_accept(result):
+            return None
+        return result
 
     def _on_done(self, task: asyncio.Task, ep: _Episode) -> None:
         self._tasks.discard(task)
@@ -455,14 +477,8 @@ class WorkflowExecutor:
                 self.stat.running -= 1
                 self._cond.notify_all()
             return
-        result, error = None, task.exception()
-        if error is None:
-            result = task.result()
-            try:
-                if result is not None and ep.should_accept is not None:
-                    result = result if ep.should_accept(result) else None
-            except Exception as e:
-                error = e
+        error = task.exception()
+        result = task.result() if error is None else None
         with self._cond:
             self.stat.running -= 1
             if error is not None:

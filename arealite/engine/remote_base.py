@@ -178,6 +178,7 @@ class RemoteInferenceEngine(InferenceEngine):
         """Resolve server addresses (argument, config.server_addrs, or $AREAL_LLM_SERVER_ADDRS),
         start the rollout loop and wait up to `setup_timeout` for every server to be healthy."""
         self.addresses = self._resolve_addresses(addr)
+        self.executor.add_shutdown_hook(self._close_session)
         self.executor.initialize(train_data_parallel_size)
         try:
             self.executor.run_coroutine(self._setup()).result()
@@ -233,11 +234,7 @@ class RemoteInferenceEngine(InferenceEngine):
             await asyncio.sleep(0.5)
 
     def destroy(self) -> None:
-        if self.executor.running:
-            try:
-                self.executor.run_coroutine(self._close_session()).result(timeout=10)
-            except Exception as e:  # closing is best effort
-                logger.warning("closing the HTTP session failed: %s", e)
+        """Cancel running episodes and requests, close the HTTP session, stop the loop."""
         self.executor.destroy()
 
     async def _close_session(self) -> None:
