@@ -448,3 +448,8 @@ def test_sampling_truncation_and_logprobs():
     banned[:, 0] = True
     tok, _ = sample_next_tokens(logits, st, g, banned)
     assert tok[0].item() == 1 and (tok != 0).all()
+
+
+def test_launch_server_reports_startup_failure_with_log_tail(tmp_path):
+    with pytest.raises(RuntimeError, match="is not a directory"):
+        launch_server(str(tmp_path / "no_model"), timeout=60)

@@ -69,7 +69,11 @@ async def _serve(app, args, scheduler) -> None:
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        msg = f"arealite server: cannot listen on {args.host}:{args.port}: {e.strerror}"
+        raise SystemExit(msg) from None
     site = web.SockSite(runner, sock)
     await site.start()
     port = sock.getsockname()[1]

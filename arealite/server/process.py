@@ -129,9 +129,23 @@ def launch_server(
 ) -> ServerProcess:
     """Start `python -m arealite.server` and return once /health answers 200.
 
-    Raises RuntimeError (process died) or TimeoutError, both with the tail of the server log.
+    With port=None a free port is picked, and picked again (up to 3 tries) if another process
+    grabs it first. Raises RuntimeError (process died) or TimeoutError, with the log tail.
     """
-    port = port or find_free_port(host)
+    tries = 1 if port else 3
+    for attempt in range(tries):
+        try:
+            return _launch_once(
+                model_path, port or find_free_port(host), host, dtype, api_key, extra_args,
+                log_path, timeout, env,
+            )  # fmt: skip
+        except RuntimeError as e:
+            if attempt == tries - 1 or "address already in use" not in str(e).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(model_path, port, host, dtype, api_key, extra_args, log_path, timeout, env):
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"arealite-server-{port}-", suffix=".log")
         os.close(fd)
