@@ -150,3 +150,39 @@ def install_signal_handlers(on_signal) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+class LogFollower(threading.Thread):
+    """Copy a growing log file to our stdout, optionally prefixed: how cluster launchers show a
+    remote process's output (the file lives on the run's shared filesystem). Starts at the
+    file's current end: logs are appended to across runs of a trial."""
+
+    def __init__(self, path: str, prefix: str = ""):
+        super().__init__(daemon=True)
+        self.path, self.prefix, self.done = path, prefix, threading.Event()
+        self.offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def run(self) -> None:
+        while not os.path.exists(self.path):
+            if self.done.wait(0.3):
+                return
+        partial = b""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            while True:
+                partial += f.readline()
+                if partial.endswith(b"\n"):
+                    self._write(partial)
+                    partial = b""
+                elif self.done.wait(0.3):  # drain what was written before the stop
+                    for line in (partial + f.read()).splitlines(True):
+                        self._write(line)
+                    return
+
+    def _write(self, line: bytes) -> None:
+        sys.stdout.write(self.prefix + line.decode(errors="replace"))
+        sys.stdout.flush()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.done.set()
+        self.join(timeout)
