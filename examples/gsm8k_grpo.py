@@ -1,0 +1,192 @@
+"""GRPO on GSM8K-style math: asynchronous rollouts, decoupled PPO, FSDP2.
+
+    python -m arealite.launcher.local examples/gsm8k_grpo.py --config examples/configs/gsm8k_grpo.yaml \
+        experiment_name=gsm8k trial_name=run1 actor.path=Qwen/Qwen2.5-1.5B-Instruct
+
+The same loop serves every RLVR task; `arith_grpo.py` runs it with the arithmetic reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import AutoTokenizer
+
+from arealite.api.cli_args import GRPOConfig, load_expr_config
+from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from arealite.dataset import get_custom_dataset
+from arealite.engine import make_remote_engine
+from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.reward.math_verify_reward import gsm8k_reward_fn
+from arealite.utils import stats_tracker
+from arealite.utils.evaluator import Evaluator
+from arealite.utils.recover import RecoverHandler
+from arealite.utils.saver import Saver
+from arealite.utils.stats_logger import StatsLogger
+from arealite.workflow.rlvr import RLVRWorkflow
+
+
+def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0):
+    """This rank's share of a dataset, in rows (the workflow tokenizes)."""
+    kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
+    ds = get_custom_dataset(
+        cfg.path, rank, world, type="rl", split=split or cfg.split, tokenizer=tokenizer,
+        max_length=cfg.max_length, **(kw if cfg.path == "arith" else {}),
+    )  # fmt: skip
+    return StatefulDataLoader(
+        ds, batch_size=max(1, cfg.batch_size // world), collate_fn=lambda rows: rows,
+        shuffle=cfg.shuffle if shuffle is None else shuffle, drop_last=cfg.drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def make_accuracy_fn(config, rank, world, tokenizer, reward_fn):
+    """Greedy held-out accuracy on a separate client, so evaluation never counts against
+    the training rollouts' staleness budget."""
+    if config.valid_dataset is None:
+        return None
+    valid = dataloader(config.valid_dataset, rank, world, tokenizer, shuffle=False)
+    rows = [row for batch in valid for row in batch]
+    eval_cfg = dataclasses.replace(
+        config.rollout, consumer_batch_size=max(1, len(rows)), max_head_offpolicyness=10**6,
+        max_concurrent_rollouts=max(1, len(rows)), queue_size=None,
+    )  # fmt: skip
+    engine = make_remote_engine(config.allocation.gen_backend, eval_cfg)
+    engine.initialize(train_data_parallel_size=world)
+    gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
+    workflow = RLVRWorkflow(reward_fn, gconfig, tokenizer, reward_workers=1)
+
+    def accuracy() -> float:
+        batch = engine.rollout_batch(rows, workflow)
+        correct = torch.tensor([float(batch["rewards"].sum()), float(len(rows))])
+        if world > 1:
+            dist.all_reduce(correct)
+        return (correct[0] / correct[1].clamp(min=1)).item()
+
+    return accuracy, engine
+
+
+def main(argv: list[str], reward_fn=gsm8k_reward_fn) -> None:
+    config = load_expr_config(argv, GRPOConfig)
+    actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
+    torch.manual_seed(config.seed)
+
+    # Data: each trainer rank rolls out and trains on its own shard.
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed)
+    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
+                           config.train_dataset.batch_size)  # fmt: skip
+    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
+
+    # Engines: the policy (FSDP2), an optional frozen reference, the rollout client.
+    actor.initialize(None, ft_spec)
+    ref = None
+    if config.ref is not None:
+        ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
+        ref.initialize(None, ft_spec)
+    rollout = make_remote_engine(config.allocation.gen_backend, config.rollout)
+    rollout.initialize(train_data_parallel_size=world)
+    workflow = RLVRWorkflow(
+        reward_fn, config.gconfig, tokenizer, reward_timeout=config.rollout.reward_timeout,
+        reward_workers=config.rollout.reward_workers,
+        dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
+    )  # fmt: skip
+    evaluation = make_accuracy_fn(config, rank, world, tokenizer, reward_fn)
+    weight_dir = os.path.join(config.run_dir, "weight_sync")
+
+    # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
+    saver = Saver(config.saver, ft_spec, config.run_dir)
+    evaluator = Evaluator(config.evaluator, ft_spec)
+    recover = RecoverHandler(config.recover, ft_spec, config.run_dir)
+    start = recover.load(actor, train_loader, rollout, saver, evaluator)
+    if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
+        actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
+        if rank == 0:
+            rollout.update_weights(WeightUpdateMeta.from_disk(weight_dir, start)).result()
+        rollout.set_version(start)
+    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
+                         total_steps=total_steps, exp_config=config)  # fmt: skip
+    accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
+
+    data_iter = iter(train_loader)
+    for global_step in range(start, total_steps):
+        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
+        # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
+        with stats_tracker.record_timing("rollout"):
+            if config.async_training:
+                batch = rollout.prepare_batch(train_loader, workflow)
+            else:
+                try:
+                    rows = next(data_iter)
+                except StopIteration:
+                    data_iter = iter(train_loader)
+                    rows = next(data_iter)
+                batch = rollout.rollout_batch(rows, workflow)
+
+        # 2. Logprobs: proximal policy for the decoupled loss, reference for the KL term.
+        with stats_tracker.record_timing("compute_logp"):
+            if config.actor.recompute_logprob:
+                batch["prox_logp"] = actor.compute_logp(batch)
+            if ref is not None:
+                batch["ref_logp"] = ref.compute_logp(batch)
+
+        # 3. Advantages and the PPO update.
+        with stats_tracker.record_timing("train_step"):
+            adv_stats = actor.compute_advantages(batch)
+            stats = actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+
+        # 4. Weight sync: pause new rollouts, publish, reload on the servers, resume.
+        with stats_tracker.record_timing("update_weights"):
+            rollout.pause()
+            meta = WeightUpdateMeta.from_disk(weight_dir, global_step + 1)
+            actor.upload_weights(meta)
+            if rank == 0:
+                rollout.update_weights(meta).result()
+            if world > 1:
+                dist.barrier()
+            actor.set_version(global_step + 1)
+            rollout.set_version(global_step + 1)
+            rollout.resume()
+
+        # 5. Services.
+        saver.save(actor, epoch, step, global_step, tokenizer=tokenizer)
+        if evaluation is not None:
+            last = global_step == total_steps - 1
+            acc = evaluator.evaluate(evaluation[0], epoch, step, global_step, force=last)
+            if acc is not None:
+                stats["eval/accuracy"] = acc
+            if accuracy_before is not None:
+                stats["eval/accuracy_before_training"] = accuracy_before
+        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1)
+        stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
+        stats.update(stats_tracker.export())
+        stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
+        logger.commit(epoch, step, global_step, stats)
+
+    # Export the final policy; the summary (and curves.png) sit next to metrics.jsonl.
+    saver.save(actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
+    summary = logger.close()
+    if summary and evaluation is not None:
+        print(f"held-out accuracy: {accuracy_before} before GRPO -> "
+              f"{summary['last'].get('eval/accuracy')} after", flush=True)  # fmt: skip
+    rollout.destroy()
+    if evaluation is not None:
+        evaluation[1].destroy()
+    actor.destroy()
+    if ref is not None:
+        ref.destroy()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    main(sys.argv[1:])

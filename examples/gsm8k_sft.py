@@ -1,0 +1,103 @@
+"""Supervised fine-tuning on GSM8K-style data (packed, FSDP2).
+
+    python -m arealite.launcher.local examples/gsm8k_sft.py --config examples/configs/gsm8k_sft.yaml \
+        experiment_name=gsm8k-sft trial_name=run1 model.path=Qwen/Qwen2.5-0.5B
+
+Any SFT dataset of rows {input_ids, loss_mask} works the same way (`arith_sft.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from transformers import AutoTokenizer
+
+from arealite.api.cli_args import SFTConfig, load_expr_config
+from arealite.api.io_struct import FinetuneSpec
+from arealite.dataset import get_custom_dataset
+from arealite.engine.sft.lm_engine import FSDPLMEngine
+from arealite.utils import stats_tracker
+from arealite.utils.data import pad_sequences_to_tensors
+from arealite.utils.evaluator import Evaluator
+from arealite.utils.recover import RecoverHandler
+from arealite.utils.saver import Saver
+from arealite.utils.stats_logger import StatsLogger
+
+
+def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None):
+    kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
+    ds = get_custom_dataset(
+        cfg.path, rank, world, type="sft", split=cfg.split, tokenizer=tokenizer,
+        max_length=cfg.max_length, **(kw if cfg.path == "arith" else {}),
+    )  # fmt: skip
+    return StatefulDataLoader(
+        ds, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last,
+        shuffle=cfg.shuffle if shuffle is None else shuffle,
+        collate_fn=lambda rows: pad_sequences_to_tensors(
+            [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in rows]
+        ),
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    config = load_expr_config(argv, SFTConfig)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    torch.manual_seed(config.seed)
+    train_loader = sft_loader(config.train_dataset, rank, world, tokenizer, config.seed)
+    valid_loader = None
+    if config.valid_dataset is not None:
+        valid_loader = sft_loader(config.valid_dataset, rank, world, tokenizer, 0, shuffle=False)
+    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
+                           config.train_dataset.batch_size)  # fmt: skip
+    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
+
+    engine = FSDPLMEngine(config.model)
+    engine.initialize(None, ft_spec)
+    saver = Saver(config.saver, ft_spec, config.run_dir)
+    evaluator = Evaluator(config.evaluator, ft_spec)
+    recover = RecoverHandler(config.recover, ft_spec, config.run_dir)
+    start = recover.load(engine, train_loader, None, saver, evaluator)
+    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
+                         total_steps=total_steps, exp_config=config)  # fmt: skip
+
+    def validation_loss() -> float:
+        losses = [engine.evaluate_lm(b) for b in valid_loader]
+        return float(sum(losses) / max(len(losses), 1))
+
+    data_iter = iter(train_loader)
+    for global_step in range(start, total_steps):
+        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
+        try:
+            batch = next(data_iter)
+        except StopIteration:
+            data_iter = iter(train_loader)
+            batch = next(data_iter)
+        with stats_tracker.record_timing("train_step"):
+            stats = engine.train_lm(batch)
+            engine.step_lr_scheduler()
+        engine.set_version(global_step + 1)
+        saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
+        if valid_loader is not None:
+            loss = evaluator.evaluate(validation_loss, epoch, step, global_step)
+            if loss is not None:
+                stats["eval/loss"] = loss
+        recover.dump(engine, train_loader, None, saver, evaluator, global_step + 1)
+        stats.update(stats_tracker.export())
+        logger.commit(epoch, step, global_step, stats)
+
+    saver.save(engine, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
+    logger.close()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    main(sys.argv[1:])
