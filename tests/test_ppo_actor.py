@@ -1,0 +1,211 @@
+"""PPO actor / critic / reference on the tiny model: advantages by hand, update direction."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from _torchrun_fsdp import VOCAB, engine_config
+
+from arealite.api.cli_args import ACTOR_PRESETS, OptimizerConfig, PPOActorConfig, PPOCriticConfig
+from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.engine.ppo.critic import FSDPPPOCritic
+from arealite.utils.data import pad_sequences_to_tensors
+
+EPS = 1e-5  # group_normalize's epsilon
+
+
+def rl_batch(rewards, prompt_len=3, gen_lens=None, seed=0):
+    """Rollout-shaped batch: prompt + generated tokens, behaviour logprobs 0 (filled later)."""
+    g = torch.Generator().manual_seed(seed)
+    gen_lens = gen_lens or [4 + i % 3 for i in range(len(rewards))]
+    rows = []
+    for r, n in zip(rewards, gen_lens):
+        rows.append(
+            {
+                "input_ids": torch.randint(0, VOCAB, (prompt_len + n,), generator=g),
+                "loss_mask": torch.tensor([0] * prompt_len + [1] * n),
+                "logprobs": torch.zeros(prompt_len + n),
+                "versions": torch.tensor([-1] * prompt_len + [0] * n),
+                "rewards": torch.tensor(float(r)),
+            }
+        )
+    return pad_sequences_to_tensors(rows)
+
+
+def actor_config(model_dir, **kw) -> PPOActorConfig:
+    base = engine_config(model_dir, 48)
+    opt = kw.pop("optimizer", OptimizerConfig(lr=1e-3, eps=1e-6))
+    fields = {k: getattr(base, k) for k in ("path", "fsdp", "mb_spec")}
+    return PPOActorConfig(**fields, optimizer=opt, **kw)
+
+
+@pytest.fixture
+def make_actor(tiny_model_dir):
+    engines = []
+
+    def make(cls=FSDPPPOActor, config=None, **kw):
+        e = cls(config or actor_config(tiny_model_dir, **kw))
+        e.initialize(None, None)
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.destroy()
+
+
+def group_adv(rewards, group_size):
+    """GRPO by hand: (r - group mean) / (unbiased group std + eps)."""
+    out = []
+    for i in range(0, len(rewards), group_size):
+        g = rewards[i : i + group_size]
+        mu, sd = statistics.mean(g), statistics.stdev(g)
+        out += [(r - mu) / (sd + EPS) for r in g]
+    return out
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def test_grpo_advantages_match_hand_computation(make_actor):
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    actor = make_actor(group_size=4, **ACTOR_PRESETS["grpo"])
+    batch = rl_batch(rewards)
+    actor.compute_advantages(batch)
+    expected = group_adv(rewards, 4)
+    mask = batch["loss_mask"].bool()
+    for i, a in enumerate(expected):
+        # REINFORCE (gamma = lambda = 1, V = 0): every generated token carries the reward
+        torch.testing.assert_close(
+            batch["advantages"][i][mask[i]], torch.full((int(mask[i].sum()),), a)
+        )
+        assert bool((batch["advantages"][i][~mask[i]] == 0).all())
+
+
+def test_kl_penalty_and_discount_by_hand(make_actor):
+    actor = make_actor(group_size=2, kl_ctl=0.5, discount=0.9, gae_lambda=1.0)
+    batch = rl_batch([1.0, 0.0], gen_lens=[3, 3])
+    batch["prox_logp"] = -torch.rand(batch["input_ids"].shape) * batch["loss_mask"]
+    batch["ref_logp"] = -torch.rand(batch["input_ids"].shape) * batch["loss_mask"]
+    actor.compute_advantages(batch)
+    seq_adv = group_adv([1.0, 0.0], 2)
+    for i in range(2):
+        kl = (batch["prox_logp"][i] - batch["ref_logp"][i])[3:6]  # k1 estimator
+        r = (-0.5 * kl).tolist()
+        r[-1] += seq_adv[i]
+        expected, run = [], 0.0
+        for x in reversed(r):  # A_t = sum_s gamma^(s-t) r_s
+            run = x + 0.9 * run
+            expected.insert(0, run)
+        torch.testing.assert_close(
+            batch["advantages"][i][3:6], torch.tensor(expected), atol=1e-5, rtol=0
+        )
+
+
+def test_reward_pipeline_options(make_actor):
+    actor = make_actor(
+        group_size=2,
+        group_reward_std_level="none",
+        mask_no_eos_with_zero=True,
+        dynamic_sampling=True,
+    )
+    batch = rl_batch([1.0, 0.0, 1.0, 1.0])
+    last = batch["attention_mask"].sum(1) - 1
+    batch["input_ids"][torch.arange(4), last] = 5  # not EOS: truncated
+    batch["input_ids"][0, last[0]] = actor.eos_token_ids[0]  # row 0 ends with EOS
+    stats = actor.compute_advantages(batch)
+    # rows 1-3 are truncated -> reward 0; group 2 (rows 2, 3) is then all-equal and dropped
+    assert stats["dynamic_sampling_kept_frac"] == 0.5
+    assert batch["loss_mask"][2:].sum() == 0 and batch["loss_mask"][:2].sum() > 0
+    assert batch["seq_rewards"][:2].tolist() == [0.5, -0.5]  # Dr.GRPO: mean only
+
+    dapo = make_actor(group_size=2, **ACTOR_PRESETS["dapo"])
+    with pytest.raises(ValueError, match="max_response_len"):
+        dapo.compute_advantages(rl_batch([1.0, 0.0]))
+    dapo.actor.max_response_len = 8
+    dapo.actor.config.overlong_tokens = 4  # penalty ramps from 4 to 8 generated tokens
+    b = rl_batch([1.0, 1.0], gen_lens=[4, 8])
+    dapo.compute_advantages(b)
+    assert b["seq_rewards"][0] > b["seq_rewards"][1]  # the overlong answer is penalised
+
+
+def test_bad_rewards_are_rejected(make_actor):
+    actor = make_actor(group_size=2)
+    batch = rl_batch([1.0, float("nan")])
+    with pytest.raises(ValueError, match="rewards"):
+        actor.compute_advantages(batch)
+    with pytest.raises(KeyError, match="rewards"):
+        actor.compute_advantages(rl_batch([1.0, 0.0]).exclude("rewards"))
+    with pytest.raises(KeyError, match="advantages"):
+        actor.ppo_update(rl_batch([1.0, 0.0]))
+
+
+# --------------------------------------------------------------------------- update
+
+
+def seq_logp(actor, batch):
+    return (actor.compute_logp(batch) * batch["loss_mask"]).sum(1)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_ppo_update_follows_the_advantages(make_actor, decoupled):
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    actor = make_actor(
+        group_size=2, ppo_n_minibatches=2, use_decoupled_loss=decoupled, temperature=1.0
+    )
+    batch = rl_batch(rewards, seed=4)
+    prox = actor.compute_logp(batch)
+    batch["prox_logp"] = prox
+    # behaviour logprobs: on-policy, or slightly stale for the decoupled loss
+    batch["logprobs"] = (prox - 0.05 * decoupled) * batch["loss_mask"]
+    actor.compute_advantages(batch)
+    actor.set_version(1)
+    before = seq_logp(actor, batch)
+    stats = actor.ppo_update(batch)
+    after = seq_logp(actor, batch)
+    up = torch.tensor(rewards) > 0.5
+    assert bool((after[up] > before[up]).all()) and bool((after[~up] < before[~up]).all())
+    assert stats["update_successful"] == 1.0 and stats["n_minibatches"] == 2
+    assert stats["n_seqs"] == 6 and stats["n_tokens"] == batch["loss_mask"].sum()
+    assert stats["staleness"] == 1.0 and stats["entropy"] > 0
+    assert stats["importance_weight"] == pytest.approx(1.0, abs=0.05)
+    if decoupled:
+        assert stats["behave_kl_k1"] == pytest.approx(-0.05, abs=1e-4)
+        assert stats["behave_imp_weight"] == pytest.approx(
+            float(torch.exp(torch.tensor(0.05))), abs=1e-4
+        )
+    else:
+        assert stats["behave_kl_k1"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reference_and_critic(make_actor, tiny_model_dir):
+    actor = make_actor(group_size=2)
+    ref = make_actor(config=actor_config(tiny_model_dir, optimizer=None))
+    batch = rl_batch([1.0, 0.0, 1.0, 0.0])
+    batch["prox_logp"] = actor.compute_logp(batch)
+    torch.testing.assert_close(ref.compute_logp(batch), batch["prox_logp"])
+
+    base = engine_config(tiny_model_dir, 48)
+    ccfg = PPOCriticConfig(
+        path=base.path, fsdp=base.fsdp, mb_spec=base.mb_spec, optimizer=OptimizerConfig(lr=5e-3)
+    )
+    critic = make_actor(cls=FSDPPPOCritic, config=ccfg)
+    values = critic.compute_values(batch)
+    assert values.shape == batch["input_ids"].shape and bool((values[:, 0] == 0).all())
+    batch["values"] = values
+    actor.compute_advantages(batch)  # GAE with the critic's values
+    mask = batch["loss_mask"].bool()
+    # gamma = lambda = 1: returns = A + V = the sequence's (normalised) reward at every step
+    torch.testing.assert_close(
+        batch["returns"][mask], (batch["advantages"] + values)[mask], atol=1e-5, rtol=0
+    )
+    err = lambda v: ((v - batch["returns"])[mask] ** 2).mean()  # noqa: E731
+    first = err(values)
+    for _ in range(3):
+        stats = critic.ppo_update(batch)
+        batch["values"] = critic.compute_values(batch)
+    assert err(batch["values"]) < 0.5 * first and stats["update_successful"] == 1.0
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        ref.ppo_update(batch)  # a reference model is forward-only
