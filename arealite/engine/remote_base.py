@@ -420,8 +420,12 @@ class RemoteInferenceEngine(InferenceEngine):
                 stop_reason = chunk.finish
                 break
             self.counters["aborted_chunks"] += 1
-            idle_aborts = 0 if chunk.output_tokens else idle_aborts + 1
-            await self._backoff_after_abort(req.rid, addr, idle_aborts)
+            # Only aborts we did not cause (no weight update under way) count as suspicious.
+            if chunk.output_tokens:
+                idle_aborts = 0
+            elif self._gen_allowed.is_set():
+                idle_aborts += 1
+                await self._backoff_after_abort(req.rid, addr, idle_aborts)
         return ModelResponse(
             input_tokens=list(req.input_ids),
             output_tokens=tokens,
@@ -435,9 +439,6 @@ class RemoteInferenceEngine(InferenceEngine):
     async def _backoff_after_abort(self, rid: str, addr: str, idle_aborts: int) -> None:
         """Aborts without progress while we are not updating weights mean someone else is
         aborting us: back off, and give up rather than spin forever."""
-        assert self._gen_allowed is not None
-        if idle_aborts == 0 or not self._gen_allowed.is_set():
-            return
         limit = 5 + self.config.request_retries
         if idle_aborts > limit:
             raise RuntimeError(
