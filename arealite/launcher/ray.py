@@ -130,7 +130,10 @@ class ProcessActor:
 
         host = ray.util.get_node_ip_address()
         port = find_free_port(host)
-        cmd, server_env = server_command(backend, server_cfg, host, port, tp, weight_roots)
+        on_gpu = bool(ray.get_gpu_ids())
+        cmd, server_env = server_command(
+            backend, server_cfg, host, port, tp, weight_roots, on_gpu=on_gpu
+        )
         self.start(cmd, {**env, **server_env}, cwd)
         address = f"{host}:{port}"
         timeout = server_cfg.startup_timeout

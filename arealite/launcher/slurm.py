@@ -109,9 +109,12 @@ def servers_script(config, plan: ClusterPlan, log_dir: str) -> str:
         f"#SBATCH --cpus-per-task={plan.cpus_per_server}",
     ]
     lines += ["set -u", f"cd {shlex.quote(os.getcwd())}"]
+    lines += _exports(dict(kv.split("=", 1) for kv in config.launcher.env_vars))
     roots = [os.path.abspath(config.run_dir)]
     for i in range(alloc.gen_n_servers):
-        cmd, env = server_command(alloc.gen_backend, config.server, HOST, PORT, tp, roots)  # type: ignore[arg-type]
+        cmd, env = server_command(
+            alloc.gen_backend, config.server, HOST, PORT, tp, roots, on_gpu=plan.gpu
+        )  # HOST/PORT: placeholders, filled in on the node by register-and-run
         cmd[0] = _python(config) if cmd[0] == sys.executable else cmd[0]
         wrapper = [
             _python(config), "-m", "arealite.launcher.slurm", "register-and-run",
