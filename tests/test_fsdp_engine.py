@@ -63,12 +63,13 @@ def assert_moved(before: dict, after: dict) -> None:
 # --------------------------------------------------------------------------- packing
 
 
-@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn_impl", ["sdpa_varlen", "sdpa", "eager"])
 def test_packed_logprobs_equal_unpacked_forward(make_engine, tiny_model_dir, attn_impl):
     batch = make_batch(n=6, seed=3)
     engine = make_engine(max_tokens=64, attn_impl=attn_impl)  # several sequences per row
     lp, ent = engine.compute_logprobs(batch, temperature=0.7, with_entropy=True)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn_impl)
+    ref_impl = "sdpa" if attn_impl == "sdpa_varlen" else attn_impl  # unpacked reference
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=ref_impl)
     lens = batch["attention_mask"].sum(1).tolist()
     for i, n in enumerate(lens):
         ids = batch["input_ids"][i, :n]

@@ -148,7 +148,11 @@ class TrainEngineConfig:
         default=False, metadata=_help("Random init from the config at `path` (no weights).")
     )
     attn_impl: str = field(
-        default="sdpa", metadata=_help("Attention: sdpa | eager | flash_attention_2 (GPU).")
+        default="sdpa_varlen",
+        metadata=_help(
+            "Attention for packed micro-batches: sdpa_varlen (exact, per-sequence sdpa, any "
+            "device) | flash_attention_2 (GPU) | sdpa / eager (dense block-diagonal mask)."
+        ),
     )
     dtype: str = field(default="float32", metadata=_help("Master weight dtype."))
     gradient_checkpointing: bool = False
@@ -164,7 +168,7 @@ class TrainEngineConfig:
     )
 
     def __post_init__(self):
-        _choice("attn_impl", self.attn_impl, ("sdpa", "eager", "flash_attention_2"))
+        _choice("attn_impl", self.attn_impl, ("sdpa_varlen", "sdpa", "eager", "flash_attention_2"))
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("backend", self.backend, ("fsdp",))
 

@@ -37,6 +37,7 @@ from torch import nn
 from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec
+from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
 from arealite.utils import distributed as du
 from arealite.utils.data import (
     MicroBatchList,
@@ -326,7 +327,7 @@ class BaseHFEngine(TrainEngine):
             input_ids=mb["input_ids"][None], position_ids=mb["position_ids"][None], use_cache=False
         )
         impl = self.config.attn_impl
-        if impl == "flash_attention_2":
+        if impl in ("flash_attention_2", varlen_attention.NAME):
             kw.update(
                 cu_seq_lens_q=cu,
                 cu_seq_lens_k=cu,
