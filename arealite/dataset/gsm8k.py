@@ -68,8 +68,10 @@ def load_gsm8k_raw(path: str, split: str = "train") -> Any:
             )
         builder = _LOCAL_FORMATS[exts.pop()]
         return datasets.load_dataset(builder, data_files=files, split="train", keep_in_memory=True)
+    config = None
+    if path == GSM8K_HUB_ID:  # configs main / socratic; splits train / test only
+        config, split = "main", ("test" if split in _HELD_OUT else split)
     try:
-        config = "main" if path == GSM8K_HUB_ID else None
         return datasets.load_dataset(path, config, split=split)
     except Exception as e:
         raise RuntimeError(
