@@ -248,12 +248,12 @@ def test_sticky_routing_and_failover_when_a_server_dies(tiny_model_dir):
                 asyncio.ensure_future(
                     engine.agenerate(ModelRequest(input_ids=PROMPT + [i], gconfig=sampled))
                 )
-                for i in range(16)
+                for i in range(12)
             ]
             await until(
                 lambda: (
                     metrics(b)["arealite_running_requests"] > 0
-                    and metrics(b)["arealite_generation_tokens_total"] > 30
+                    and metrics(b)["arealite_generation_tokens_total"] > 20
                 ),
                 what="requests running on b",
             )
