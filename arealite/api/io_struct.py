@@ -111,6 +111,8 @@ class WeightUpdateMeta:
     nccl_master_port: int = 29600
     nccl_group_name: str = "arealite_weight_update"
     bucket_size_mb: int = 256
+    # Buckets of (name, shape, dtype) in the order trainer rank 0 broadcasts them (NCCL path).
+    nccl_param_specs: list = field(default_factory=list)
 
     @classmethod
     def from_disk(cls, path: str, version: int = 0) -> WeightUpdateMeta:
