@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="update_weights_from_disk refuses paths outside these (repeatable; default: any)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    )
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -100,6 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     from arealite.server.model_runner import ModelRunner
     from arealite.server.scheduler import Scheduler
 
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device, seed=args.seed)
     logging.getLogger("arealite.server").info(
         "loaded %s on %s as %s (vocab %d, context %d)",
