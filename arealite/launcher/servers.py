@@ -81,7 +81,11 @@ def server_command(
             cmd += ["--max-model-len", str(cfg.context_length)]
         if not on_gpu:
             cmd += ["--enforce-eager"]  # CUDA-graph style compilation only costs time on CPU
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        if not on_gpu and "--kv-cache-memory-bytes" not in cfg.extra_args:
+            # Else vLLM-cpu sizes its KV cache from free memory; the env var would override
+            # an explicit --kv-cache-memory-bytes.
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     else:
         raise ValueError(f"unknown inference backend {backend!r}")
     return cmd + list(cfg.extra_args), env
