@@ -151,39 +151,31 @@ def test_killed_rank_stops_everything(tmp_path, tiny_model_dir, ray_address):
     assert_dead([ranks[0]["pid"]])
 
 
-def test_servers_register_and_serve_the_ranks(tmp_path, tiny_model_dir, ray_address):
-    args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
-    p = launch([*args, f"actor.path={tiny_model_dir}", "allocation_mode=local.d2p1t1+d2p1t1"])
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    run_dir = tmp_path / "ray" / "t"
-    ranks = [json.loads((run_dir / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r in ranks:
-        assert len(r["tokens"]) == 2 and set(r["tokens"].values()) == {3}, r
-    assert "server0 healthy at" in p.stderr and "server1 healthy at" in p.stderr
-    assert "ready" in (run_dir / "logs" / "server1.log").read_text()
-    # Addresses are unregistered when the servers stop.
-    assert not list((tmp_path / "name_resolve").rglob("ENTRY"))
-
-
-def test_killed_server_stops_the_run(tmp_path, tiny_model_dir, ray_address):
+def test_servers_serve_the_ranks_and_a_killed_server_stops_the_run(
+    tmp_path, tiny_model_dir, ray_address
+):
     args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
     proc = launch(
-        [*args, f"actor.path={tiny_model_dir}", "allocation_mode=local.d1p1t1+d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
+        [*args, f"actor.path={tiny_model_dir}", "allocation_mode=local.d2p1t1+d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
         wait=False,
     )  # fmt: skip
     run_dir = str(tmp_path / "ray" / "t")
     ranks = wait_for_files(os.path.join(run_dir, "probe", "rank*.json"), 2, proc)
-    assert all(len(r["tokens"]) == 1 for r in ranks)
+    for r in ranks:  # every rank reached both servers, whose addresses came from name_resolve
+        assert len(r["tokens"]) == 2 and set(r["tokens"].values()) == {3}, r
+    entries = sorted((tmp_path / "name_resolve" / "ray" / "t" / "servers").rglob("ENTRY"))
+    assert [json.loads(e.read_text())["value"] for e in entries] == list(ranks[0]["tokens"])
     servers = [
-        p
-        for p in _processes_matching(re.escape(run_dir))
-        if "arealite.server" in " ".join(p.cmdline())
-    ]
-    assert len(servers) == 1
-    servers[0].kill()
+        p for p in _processes_matching(re.escape(run_dir)) if "arealite.server" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    assert len(servers) == 2
+    victim = servers[0]
+    port = victim.cmdline()[victim.cmdline().index("--port") + 1]
+    index = [a.split(":")[1] for a in ranks[0]["tokens"]].index(port)  # addresses in index order
+    victim.kill()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, out[-3000:] + err[-3000:]
-    assert "inference server0 exited with code -9 during training" in err
+    assert f"inference server{index} exited with code -9 during training" in err
     assert_dead([r["pid"] for r in ranks])
 
 
@@ -212,3 +204,26 @@ def test_arith_grpo_two_steps(tmp_path, tiny_model_dir, ray_address):
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     check_grpo_metrics(tmp_path / "ray" / "grpo" / "metrics.jsonl")
+
+
+def test_server_that_cannot_start_is_named(tmp_path, tiny_model_dir, ray_address):
+    args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
+    bad = ["allocation_mode=local.d1p1t1+d1p1t1", "server.extra_args=[--no-such-flag]"]
+    p = launch([*args, f"actor.path={tiny_model_dir}", *bad])
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "inference server0 at" in p.stderr and "exited" in p.stderr
+    assert "--no-such-flag" in p.stderr  # the server's own error, from its log tail
+    assert not (tmp_path / "ray" / "t" / "logs" / "rank0.log").exists()
+
+
+def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir, ray_address):
+    args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
+    proc = launch(
+        [*args, f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
+        wait=False,
+    )  # fmt: skip
+    ranks = wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    assert_dead([r["pid"] for r in ranks])

@@ -18,7 +18,7 @@ import pytest
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
 from arealite.launcher.preflight import plan_cluster
-from arealite.launcher.slurm import servers_script, trainer_script
+from arealite.launcher.slurm import node_address, servers_script, trainer_script
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
@@ -261,13 +261,15 @@ def test_killed_rank_stops_every_process_and_job(slurm, tmp_path, tiny_model_dir
 
 @pytest.mark.integration
 def test_servers_register_then_killed_server_cancels_the_run(slurm, tmp_path, tiny_model_dir):
+    # n_nodes=2: servers bind to and register the node's address (as on a real cluster).
     args = [*base_args(CLUSTER_PROBE, tmp_path), f"actor.path={tiny_model_dir}",
-            "allocation_mode=local.d1p1t1+d2p1t1"]  # fmt: skip
+            "allocation_mode=local.d1p1t1+d2p1t1", "cluster.n_nodes=2"]  # fmt: skip
     proc = launch(args, env={"PROBE_HANG": "1"}, wait=False)
     run_dir = tmp_path / "slurm" / "t"
     ranks = wait_for_files(str(run_dir / "probe" / "rank*.json"), 2, proc)
     addrs = [list(r["tokens"]) for r in ranks]
     assert addrs[0] == addrs[1] and len(addrs[0]) == 1 and ranks[0]["tokens"][addrs[0][0]] == 3
+    assert addrs[0][0].split(":")[0] == node_address()
     entries = list((tmp_path / "name_resolve" / "slurm" / "t" / "servers").rglob("ENTRY"))
     assert len(entries) == 1 and addrs[0][0] in entries[0].read_text()
     servers = [
@@ -315,4 +317,15 @@ def test_arith_grpo_two_steps(slurm, tmp_path, tiny_model_dir):
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     check_grpo_metrics(tmp_path / "slurm" / "grpo" / "metrics.jsonl")
+    assert not our_jobs(tmp_path)
+
+
+@pytest.mark.integration
+def test_server_that_cannot_start_is_named(slurm, tmp_path, tiny_model_dir):
+    bad = ["allocation_mode=local.d1p1t1+d1p1t1", "server.extra_args=[--no-such-flag]"]
+    p = launch([*base_args(CLUSTER_PROBE, tmp_path), f"actor.path={tiny_model_dir}", *bad])
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "servers job" in p.stderr and "(server0)" in p.stderr
+    assert "--no-such-flag" in p.stderr  # the server's own error, from its log tail
+    assert not (tmp_path / "slurm" / "t" / "slurm" / "trainer.sbatch").exists()
     assert not our_jobs(tmp_path)

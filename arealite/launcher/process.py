@@ -185,4 +185,5 @@ class LogFollower(threading.Thread):
 
     def stop(self, timeout: float = 5.0) -> None:
         self.done.set()
-        self.join(timeout)
+        if self.ident is not None:  # started
+            self.join(timeout)

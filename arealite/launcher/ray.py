@@ -339,6 +339,8 @@ class RayRun:
                         f"log tail ({path}):\n{log_tail(path)}"
                     )
                 ranks_left.discard(name)
+        for f in self.followers:  # show the ranks' last lines before the launcher's summary
+            f.stop()
 
     def teardown(self) -> None:
         from ray.util.placement_group import remove_placement_group

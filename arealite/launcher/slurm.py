@@ -253,7 +253,7 @@ class SlurmRun:
     def dead_servers(self) -> list[str]:
         dead = []
         for i in range(self.config.allocation.gen_n_servers):
-            tail = log_tail(os.path.join(self.log_dir, f"server{i}.log"), 5)
+            tail = log_tail(os.path.join(self.log_dir, f"server{i}.log"), 10)
             if "[register-and-run] " in tail and ("exited with code" in tail or "failed" in tail):
                 dead.append(f"server{i}")
         return dead
@@ -344,7 +344,17 @@ def run(argv: list[str]) -> int:
 
 
 def node_address() -> str:
-    """This node's address as other nodes reach it."""
+    """This node's address as other nodes reach it: the source address of its default route
+    (a UDP connect sends nothing), else what its hostname resolves to (Debian maps the
+    hostname to 127.0.1.1, hence not first)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+        if not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
     return socket.gethostbyname(socket.gethostname())
 
 
@@ -375,7 +385,11 @@ def register_and_run(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     if not wait_healthy(address, args.timeout, lambda: child.poll() is None):
-        print(f"[register-and-run] server at {address} failed to become healthy", flush=True)
+        why = f"exited with code {child.returncode}" if child.poll() is not None else "timed out"
+        print(
+            f"[register-and-run] server at {address} failed before becoming healthy ({why})",
+            flush=True,
+        )
         child.kill()
         child.wait()
         return 1
