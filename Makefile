@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 RUN_DIR ?= runs
 
-.PHONY: setup setup-vllm test test-fast lint demo bench clean
+.PHONY: setup setup-vllm setup-slurm test test-fast lint demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 # Optional: a real vLLM server on CPU for the vLLM integration tests (3.4 GB, own venv).
 setup-vllm:
 	bash .ci/setup_vllm.sh
+
+# Optional: a single-node Slurm cluster (Debian slurm-wlm + munge, needs root) for the Slurm
+# launcher test (skipped with a reason when Slurm is not running).
+setup-slurm:
+	bash .ci/setup_slurm.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
