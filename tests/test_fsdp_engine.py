@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import requests
 import torch
 from _torchrun_fsdp import engine_config, full_weights, make_batch
 from tensordict import TensorDict
@@ -80,6 +82,24 @@ def test_packed_logprobs_equal_unpacked_forward(make_engine, tiny_model_dir, att
         ref_ent = -(logits[:-1].softmax(-1) * logits[:-1].log_softmax(-1)).sum(-1)
         torch.testing.assert_close(ent[i, 1:n], ref_ent, atol=TOL, rtol=0)
         assert lp[i, 0] == 0 and bool((lp[i, n:] == 0).all())
+
+
+def test_sdpa_attends_within_each_sequence_only(make_engine, monkeypatch):
+    """Packed sdpa_varlen (the default) runs per sequence (cost sum L_i^2): no attention call
+    spans the packed row."""
+    batch = make_batch(n=6, seed=3)
+    engine = make_engine(max_tokens=None)  # one packed row of all sequences
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kw):
+        seen.append(q.shape[2])
+        return sdpa(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    engine.compute_logprobs(batch)
+    lens = batch["attention_mask"].sum(1).tolist()
+    assert sorted(set(seen)) == sorted(set(lens))
 
 
 def test_forward_restores_original_order(make_engine):
@@ -223,6 +243,61 @@ def test_upload_weights_disk_is_sharded_and_replaces_atomically(make_engine, tmp
     now = full_weights(engine)
     assert_weights_close({k: loaded[k] for k in now}, now)
     assert_moved(first, now)
+
+
+@pytest.mark.integration
+def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_path, monkeypatch):
+    """Disk and distributed (gloo: NCCL's CPU stand-in) updates into the embedded server; this
+    test plays the rollout side's HTTP calls. Afterwards trainer and server logprobs agree."""
+    from arealite.server.process import launch_server
+
+    engine = make_engine(weight_update_bucket_mb=1)
+    prompt = make_batch(n=1, seed=9)["input_ids"][0, :6].tolist()
+    extra = ["--allowed-weight-roots", str(tmp_path)]
+    with launch_server(tiny_model_dir, dtype="float32", extra_args=extra) as server:
+        post = lambda path, body: requests.post(server.url + path, json=body, timeout=300).json()  # noqa: E731
+
+        def agreement() -> float:
+            body = {"input_ids": prompt, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+            out = post("/generate", body)
+            server_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+            ids = torch.tensor([prompt + out["output_ids"]])
+            td = TensorDict(
+                {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[1]
+            )
+            return (engine.compute_logprobs(td)[0, len(prompt) :] - server_lp).abs().max().item()
+
+        train_step(engine, make_batch(n=4))
+        assert agreement() > 1e-2  # the server still has the initial weights
+        engine.upload_weights(WeightUpdateMeta.from_disk(str(tmp_path / "w"), version=1))
+        assert post("/update_weights_from_disk", {"model_path": str(tmp_path / "w")})["success"]
+        assert agreement() < 1e-4
+
+        train_step(engine, make_batch(n=4, seed=1))
+        meta = WeightUpdateMeta.from_nccl(
+            "127.0.0.1", find_free_port(), version=2, bucket_size_mb=1
+        )
+        meta.nccl_param_specs = engine.nccl_param_specs(meta.bucket_size_mb)
+        assert len(meta.nccl_param_specs) > 1
+        monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", server.address)  # group size from the server
+
+        def rollout_side():
+            init = {"master_address": "127.0.0.1", "master_port": meta.nccl_master_port,
+                    "rank_offset": 1, "world_size": 2, "group_name": meta.nccl_group_name,
+                    "backend": "gloo"}  # fmt: skip
+            assert post("/init_weights_update_group", init)["success"]
+            for i, bucket in enumerate(meta.nccl_param_specs):
+                names, shapes, dtypes = zip(*bucket)
+                body = {"names": names, "shapes": shapes, "dtypes": dtypes,
+                        "group_name": meta.nccl_group_name, "weight_version": i + 1}  # fmt: skip
+                assert post("/update_weights_from_distributed", body)["success"]
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(rollout_side)
+            engine.upload_weights(meta)
+            fut.result(timeout=300)
+        assert agreement() < 1e-4
 
 
 def test_dcp_resume_equals_uninterrupted_run(make_engine, tmp_path):

@@ -2,13 +2,14 @@
 schedule, and the padding-free micro-batch loop of `train_batch` / `eval_batch` / `forward`.
 
 Packing. A padded batch `[B, L]` is split into micro-batches under `mb_spec.max_tokens_per_mb`
-and each micro-batch is packed into one row of T real tokens (no padding). Packed sequences
-must never attend to each other:
-- sdpa / eager: `position_ids` restart at 0 per sequence AND a block-diagonal causal 4-D mask
-  `[1, 1, T, T]` (bool for sdpa, additive float for eager) is passed; transformers uses a 4-D
-  mask as is. (position_ids alone are NOT enough with sdpa/eager: checked on transformers 5.23,
-  logits then differ by O(1).) The mask costs T^2 bytes (16 MiB at T=4096), fine at CPU sizes.
-- flash_attention_2 (GPU): position_ids plus `cu_seq_lens_q/k`, `max_length_q/k` (varlen).
+and each micro-batch is packed into one row of T real tokens (no padding), with `position_ids`
+restarting at 0 per sequence. Packed sequences must never attend to each other:
+- sdpa_varlen (default; varlen_attention.py) and flash_attention_2 (GPU) get the varlen kwargs
+  `cu_seq_lens_q/k`, `max_length_q/k` and attend within each sequence (cost sum L_i^2).
+- sdpa / eager get a block-diagonal causal 4-D mask `[1, 1, T, T]` (bool for sdpa, additive
+  float for eager), which transformers uses as is: exact but O(T^2) compute, and T^2 bytes
+  (16 MiB at T=4096). position_ids alone are NOT enough with sdpa/eager (checked on
+  transformers 5.23: logits then differ by O(1)).
 
 Alignment. Every per-token result is aligned with `input_ids`: `logprobs[i]` is
 log p(input_ids[i] | input_ids[:i]), i.e. computed from the logits at position i-1, and is 0

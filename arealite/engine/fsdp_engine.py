@@ -7,7 +7,6 @@ checkpoints (recovery, with optimizer / LR schedule / RNG), and the NCCL broadca
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import os
 import shutil
@@ -45,7 +44,7 @@ class FSDPEngine(BaseHFEngine):
         super().__init__(config)
         self.mesh = None
         self._dist_joined = False
-        self._weight_group = None  # NCCL group trainer rank 0 + inference servers
+        self._weight_group = None  # (key, group): trainer rank 0 + inference servers
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -77,7 +76,9 @@ class FSDPEngine(BaseHFEngine):
 
     def destroy(self) -> None:
         self.model = self.optimizer = self.lr_scheduler = None
-        self._weight_group = None
+        if self._weight_group is not None:
+            dist.destroy_process_group(self._weight_group[1])
+            self._weight_group = None
         gc.collect()
         if self._dist_joined:
             self._dist_joined = False
@@ -210,27 +211,56 @@ class FSDPEngine(BaseHFEngine):
         else:
             raise ValueError(f"unknown weight update type {meta.type!r}")
 
+    def nccl_param_specs(self, bucket_size_mb: int | None = None) -> list[list[tuple]]:
+        """The broadcast plan: buckets of (checkpoint name, shape, dtype) in send order. Goes
+        into `WeightUpdateMeta.nccl_param_specs` so the rollout side can tell each server what
+        to receive while `upload_weights` sends it (metadata only, no collective)."""
+        plan = []
+        for bucket in plan_buckets(self.model, self._bucket_bytes(bucket_size_mb)):
+            meta_tensors = {
+                n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in bucket
+            }
+            named = _to_original_names(self.model, meta_tensors)
+            plan.append([(n, list(t.shape), _dtype_name(t.dtype)) for n, t in named.items()])
+        return plan
+
     def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
-        """SGLang's distributed update: per bucket, rank 0 posts the names/dtypes/shapes to
-        every server's /update_weights_from_distributed and broadcasts the tensors (src 0) in
-        the group made by /init_weights_update_group; other ranks only help gather."""
-        if self.device.type != "cuda":
-            raise RuntimeError(
-                "weight_update=nccl needs GPUs; use WeightUpdateMeta.from_disk on CPU"
+        """SGLang's distributed update, trainer side. The rollout engine makes the servers join
+        group `meta.nccl_group_name` (/init_weights_update_group) and receive bucket after
+        bucket (/update_weights_from_distributed, from meta.nccl_param_specs); here all ranks
+        gather each bucket and rank 0 broadcasts it (src 0) in that group. NCCL on GPU; gloo on
+        CPU (the embedded server accepts backend 'gloo')."""
+        specs = self.nccl_param_specs(meta.bucket_size_mb)
+        given = getattr(meta, "nccl_param_specs", None)
+        if given and _normalise_specs(given) != specs:
+            raise ValueError(
+                "meta.nccl_param_specs differ from this trainer's plan (bucket_size_mb or model "
+                "mismatch): fill them with engine.nccl_param_specs(meta.bucket_size_mb)"
             )
-        addrs = _server_addrs(meta)
-        if du.is_main() and self._weight_group is None:
-            self._weight_group = _init_weight_group(meta, addrs)
+        if du.is_main():
+            self._join_weight_group(meta)
         buckets = plan_buckets(self.model, self._bucket_bytes(meta.bucket_size_mb))
-        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=False)
-        for i, bucket in enumerate(gathered):
+        for bucket in iter_full_buckets(buckets, device=self.device, to_cpu=False):
             if du.is_main():
-                bucket = _to_original_names(self.model, bucket)
-                _post_and_broadcast(
-                    meta, addrs, bucket, self._weight_group, last=i == len(buckets) - 1
-                )
+                for t in _to_original_names(self.model, bucket).values():
+                    dist.broadcast(t.contiguous(), src=0, group=self._weight_group[1])
             del bucket
         du.barrier()
+
+    def _join_weight_group(self, meta: WeightUpdateMeta) -> None:
+        """Rank 0 of the group (and its TCP store) is trainer rank 0; servers follow."""
+        key = (meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name)
+        if self._weight_group is not None and self._weight_group[0] == key:
+            return
+        world = getattr(meta, "nccl_world_size", None) or _servers_world_size()
+        group = du.init_custom_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
+            world,
+            0,
+            meta.nccl_group_name,
+        )
+        self._weight_group = (key, group)
 
 
 def _to_original_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,73 +273,31 @@ def _to_original_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, tor
     return revert_weight_conversion(model, tensors)
 
 
-def _server_addrs(meta: WeightUpdateMeta) -> list[str]:
-    addrs = getattr(meta, "server_addrs", None) or os.environ.get(SERVER_ADDRS_ENV, "").split(",")
-    addrs = [a.strip() for a in addrs if a and a.strip()]
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _normalise_specs(specs) -> list[list[tuple]]:
+    out = []
+    for bucket in specs:
+        rows = []
+        for s in bucket:
+            name, shape, dtype = (s.name, s.shape, s.dtype) if hasattr(s, "name") else s
+            rows.append((str(name), [int(x) for x in shape], str(dtype).removeprefix("torch.")))
+        out.append(rows)
+    return out
+
+
+def _servers_world_size() -> int:
+    """1 (trainer rank 0) + every server's TP ranks, servers from $AREAL_LLM_SERVER_ADDRS."""
+    addrs = [a for a in os.environ.get(SERVER_ADDRS_ENV, "").split(",") if a.strip()]
     if not addrs:
         raise ValueError(
-            f"nccl weight update needs server addresses (meta.server_addrs or ${SERVER_ADDRS_ENV})"
+            f"nccl weight update: set meta.nccl_world_size or ${SERVER_ADDRS_ENV} (the group "
+            "is trainer rank 0 plus every server's tensor-parallel ranks)"
         )
-    return addrs
-
-
-def _post_all(
-    addrs: list[str], endpoint: str, payloads: list[dict]
-) -> list[concurrent.futures.Future]:
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(addrs))
-    futs = [
-        pool.submit(requests.post, f"http://{a}/{endpoint}", json=p, timeout=600)
-        for a, p in zip(addrs, payloads)
-    ]
-    pool.shutdown(wait=False)
-    return futs
-
-
-def _check(futs: list[concurrent.futures.Future], what: str) -> None:
-    for f in futs:
-        r = f.result()
-        body = r.json() if r.ok else {"success": False, "message": r.text}
-        if not body.get("success", True):
-            raise RuntimeError(f"{what} failed on a server: {body.get('message')}")
-
-
-def _init_weight_group(meta: WeightUpdateMeta, addrs: list[str]) -> dist.ProcessGroup:
-    """Rank 0 of the trainer is rank 0 of the group; server i's TP ranks follow."""
-    tp = int(getattr(meta, "gen_tp_size", 1))
-    world = 1 + tp * len(addrs)
-    payloads = [
-        dict(
-            master_address=meta.nccl_master_address,
-            master_port=meta.nccl_master_port,
-            rank_offset=1 + i * tp,
-            world_size=world,
-            group_name=meta.nccl_group_name,
-            backend="nccl",
-        )
-        for i in range(len(addrs))
-    ]
-    futs = _post_all(addrs, "init_weights_update_group", payloads)
-    group = du.init_custom_process_group(
-        "nccl",
-        f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
-        world,
-        0,
-        meta.nccl_group_name,
-    )
-    _check(futs, "init_weights_update_group")
-    return group
-
-
-def _post_and_broadcast(meta, addrs, bucket: dict[str, torch.Tensor], group, last: bool) -> None:
-    payload = dict(
-        names=list(bucket),
-        dtypes=[str(t.dtype).removeprefix("torch.") for t in bucket.values()],
-        shapes=[list(t.shape) for t in bucket.values()],
-        group_name=meta.nccl_group_name,
-        flush_cache=last,
-        weight_version=str(meta.version),
-    )
-    futs = _post_all(addrs, "update_weights_from_distributed", [payload] * len(addrs))
-    for t in bucket.values():
-        dist.broadcast(t, src=0, group=group)
-    _check(futs, "update_weights_from_distributed")
+    tp = []
+    for a in addrs:
+        r = requests.get(f"http://{a.strip()}/get_server_info", timeout=30)
+        tp.append(int(r.json().get("tp_size", 1)) if r.ok else 1)
+    return 1 + sum(tp)

@@ -71,6 +71,7 @@ def write_safetensors_shards(
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
         total += sum(v.numel() * v.element_size() for v in tensors.values())
+        del tensors  # free this bucket before the next one is gathered
     if n_shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
