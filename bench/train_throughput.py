@@ -22,6 +22,7 @@ multi-thread timings meaningless.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -44,10 +45,19 @@ def emit(figure: str, **values) -> None:
     print(json.dumps({"figure": figure, **values}), flush=True)
 
 
+def _release_free_heap() -> None:
+    """Return freed heap pages to the OS so an RSS delta measures live allocations only."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 class PeakRSS:
     """Highest resident memory seen (sampled every 2 ms) while the block runs."""
 
     def __enter__(self):
+        _release_free_heap()
         self.proc = psutil.Process()
         self.base = self.peak = self.proc.memory_info().rss
         self._stop = threading.Event()
@@ -188,17 +198,16 @@ def run_upload(a) -> None:
     n_params = sum(p.numel() for p in engine.model.parameters())
     from arealite.api.io_struct import WeightUpdateMeta
 
-    with tempfile.TemporaryDirectory() as d:
-        meta = WeightUpdateMeta.from_disk(os.path.join(d, "w"))
-        engine.upload_weights(meta)  # warm-up (page cache, imports)
-        secs, extras = [], []
-        for _ in range(a.rounds):
-            with PeakRSS() as mem:
-                t0 = time.perf_counter()
-                engine.upload_weights(meta)
-                secs.append(time.perf_counter() - t0)
-            extras.append(mem.extra_mb)
-        n_files = len([f for f in os.listdir(meta.path) if f.endswith(".safetensors")])
+    meta = WeightUpdateMeta.from_disk(os.path.join(a.out_dir, a.figure))  # shared by ranks
+    engine.upload_weights(meta)  # warm-up (page cache, imports)
+    secs, extras = [], []
+    for _ in range(a.rounds):
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            engine.upload_weights(meta)
+            secs.append(time.perf_counter() - t0)
+        extras.append(mem.extra_mb)
+    n_files = len([f for f in os.listdir(meta.path) if f.endswith(".safetensors")])
     if du.is_main():
         emit(
             a.figure,
@@ -239,6 +248,7 @@ def main() -> None:
     p.add_argument("--child", choices=["train", "upload"])
     p.add_argument("--model")
     p.add_argument("--figure")
+    p.add_argument("--out-dir")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (shared cores: 1 avoids spin noise)"
@@ -295,6 +305,8 @@ def main() -> None:
                     fig,
                     "--bucket-mb",
                     str(bucket),
+                    "--out-dir",
+                    d,
                     *common,
                 ],
                 ranks=a.upload_ranks,

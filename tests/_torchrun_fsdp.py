@@ -1,8 +1,9 @@
 """Run under torchrun by tests/test_fsdp_engine.py (and importable for its helpers).
 
 Each rank trains on its slice of one fixed global batch (deliberately uneven, so ranks run
-different numbers of real micro-batches), then saves an HF checkpoint; rank 0 writes the
-losses and the full updated weights to --out for the test to compare with a 1-rank run.
+different numbers of real micro-batches), then saves an HF checkpoint and a DCP checkpoint
+that a fresh engine resumes from; rank 0 writes the losses, the full updated weights and the
+resume check to --out for the test to compare with a 1-rank run.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def engine_config(model_dir: str, max_tokens: int | None = None, **kw) -> TrainE
     opt = OptimizerConfig(lr=1e-3, weight_decay=0.01, gradient_clipping=1.0, eps=1e-6)
     return TrainEngineConfig(
         path=model_dir,
-        fsdp=FSDPConfig(param_dtype="float32", reduce_dtype="float32"),
+        fsdp=kw.pop("fsdp", FSDPConfig(param_dtype="float32", reduce_dtype="float32")),
         mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens),
         optimizer=kw.pop("optimizer", opt),
         **kw,
@@ -93,8 +94,21 @@ def main() -> None:
         stats.append(engine.train_lm(batch[rank_slice(batch.batch_size[0], rank, world)]))
     weights = full_weights(engine)
     engine.save(SaveLoadMeta(path=a.hf_dir, weight_format="hf"))
+
+    # Recovery across 2 ranks: a fresh engine resumes from DCP and takes the same next step.
+    dcp = SaveLoadMeta(path=a.hf_dir + "_dcp", weight_format="dcp", with_optim=True)
+    engine.save(dcp)
+    resumed = FSDPLMEngine(engine_config(a.model, a.max_tokens))
+    resumed.initialize(None, None)
+    resumed.load(dcp)
+    nxt = make_batch(seed=a.steps)[rank_slice(8, rank, world)]
+    resume = [engine.train_lm(nxt)["loss"], resumed.train_lm(nxt)["loss"]]
+    after = [full_weights(engine), full_weights(resumed)]
     if rank == 0:
-        torch.save({"stats": stats, "weights": weights, "world": world}, a.out)
+        diff = max((after[0][k] - after[1][k]).abs().max().item() for k in after[0])
+        out = {"stats": stats, "weights": weights, "world": world, "resume": resume, "diff": diff}
+        torch.save(out, a.out)
+    resumed.destroy()
     engine.destroy()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
 import subprocess
 import sys
@@ -200,6 +201,8 @@ def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
         assert a["n_seqs"] == b["n_seqs"] == 8
     weights = full_weights(engine)
     assert_weights_close(weights, two["weights"])
+    # DCP across 2 ranks: the resumed engine's next step equals the uninterrupted one.
+    assert abs(two["resume"][0] - two["resume"][1]) < TOL and two["diff"] < TOL
     # The HF checkpoint gathered from 2 shards in 1 MiB buckets is the same model.
     assert len(json.load(open(hf_dir / "model.safetensors.index.json"))["weight_map"]) > 0
     loaded = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
@@ -308,13 +311,14 @@ def test_dcp_resume_equals_uninterrupted_run(make_engine, tmp_path):
     train_step(a, b1)
     a.step_lr_scheduler()
     a.set_version(1)
+    rng = torch.get_rng_state()
     a.save(SaveLoadMeta(path=str(tmp_path / "ckpt"), weight_format="dcp", with_optim=True))
-    torch.manual_seed(123)  # RNG state must come back from the checkpoint
+    torch.manual_seed(123)  # the RNG state must come back from the checkpoint
     s_a = train_step(a, b2)
 
     b = make_engine(max_tokens=48, ft_spec=spec, optimizer=OptimizerConfig(**cosine))
     b.load(SaveLoadMeta(path=str(tmp_path / "ckpt"), weight_format="dcp", with_optim=True))
-    assert b.get_version() == 1
+    assert b.get_version() == 1 and torch.equal(torch.get_rng_state(), rng)
     s_b = train_step(b, b2)
     assert s_a["lr"] == s_b["lr"] < 1e-3
     assert abs(s_a["loss"] - s_b["loss"]) < TOL
@@ -348,6 +352,10 @@ def test_bad_batches_name_the_field(make_engine):
     no_mask = batch.exclude("attention_mask")
     with pytest.raises(KeyError, match="attention_mask"):
         train_step(engine, no_mask)
+    out_of_vocab = batch.clone()
+    out_of_vocab["input_ids"][0, 1] = 10**6
+    with pytest.raises(ValueError, match="vocabulary"):
+        train_step(engine, out_of_vocab)
     left_padded = batch.clone()
     left_padded["attention_mask"] = batch["attention_mask"].flip(1)
     with pytest.raises(ValueError, match="right-padded"):
@@ -366,6 +374,24 @@ def test_empty_batch_skips_the_step_with_a_warning(make_engine):
         train_step(engine, batch)
     assert_weights_close(full_weights(engine), before, tol=0)
     assert engine.forward(make_batch(n=3)[:0]) is None
+
+
+def test_bf16_compute_on_cpu_and_init_from_scratch(make_engine):
+    """bf16 mixed precision runs on CPU, close to fp32 (hence tests use fp32 for exactness)."""
+    from arealite.api.cli_args import FSDPConfig
+
+    batch = make_batch(n=3)
+    fp32 = make_engine(max_tokens=64)
+    bf16 = make_engine(max_tokens=64, fsdp=FSDPConfig(param_dtype="bfloat16"))
+    mask = batch["attention_mask"].bool()
+    diff = (fp32.compute_logprobs(batch) - bf16.compute_logprobs(batch))[mask].abs()
+    assert 0 < diff.max() < 0.1
+    stats = train_step(bf16, batch)
+    assert stats["update_successful"] == 1.0 and math.isfinite(stats["loss"])
+    scratch = make_engine(max_tokens=64, init_from_scratch=True)
+    assert (
+        full_weights(scratch)["lm_head.weight"] - full_weights(fp32)["lm_head.weight"]
+    ).abs().max() > 1e-3
 
 
 def test_forward_only_engine_refuses_to_train(make_engine):

@@ -153,7 +153,11 @@ def load_hf_model(config: TrainEngineConfig) -> nn.Module:
             model = cls.from_pretrained(config.path, config=hf_config, **kw)
     model.config.use_cache = False
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}  # the variant PyTorch recommends with FSDP2
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 
@@ -307,6 +311,13 @@ class BaseHFEngine(TrainEngine):
         of micro-batches (dummies pad the short ones, at the end); None if all ranks are empty."""
         validate_batch(input_, required)
         n_seqs = input_.batch_size[0]
+        vocab = getattr(self.model.config, "vocab_size", None)
+        ids = input_["input_ids"][input_["attention_mask"].bool()]
+        if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(
+                f"input_ids has token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                f"model's vocabulary [0, {vocab})"
+            )
         if sum(du.all_gather_int(n_seqs)) == 0:
             return None
         spec = self.config.mb_spec
