@@ -104,10 +104,20 @@ def main() -> None:
     nxt = make_batch(seed=a.steps)[rank_slice(8, rank, world)]
     resume = [engine.train_lm(nxt)["loss"], resumed.train_lm(nxt)["loss"]]
     after = [full_weights(engine), full_weights(resumed)]
+
+    # A bad batch on the last rank only: every rank must raise, none may hang.
+    bad = make_batch(n=2)
+    if rank == world - 1:
+        bad = bad.exclude("loss_mask")
+    try:
+        engine.train_lm(bad)
+        raised = None
+    except Exception as e:  # recorded for the test to check
+        raised = f"{type(e).__name__}: {e}"
     if rank == 0:
         diff = max((after[0][k] - after[1][k]).abs().max().item() for k in after[0])
         out = {"stats": stats, "weights": weights, "world": world, "resume": resume, "diff": diff}
-        torch.save(out, a.out)
+        torch.save({**out, "bad_batch_error": raised}, a.out)
     resumed.destroy()
     engine.destroy()
 

@@ -203,6 +203,8 @@ def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
     assert_weights_close(weights, two["weights"])
     # DCP across 2 ranks: the resumed engine's next step equals the uninterrupted one.
     assert abs(two["resume"][0] - two["resume"][1]) < TOL and two["diff"] < TOL
+    # rank 1 lacked loss_mask: rank 0 fails too, naming the rank, instead of hanging
+    assert "rank(s) [1]" in two["bad_batch_error"]
     # The HF checkpoint gathered from 2 shards in 1 MiB buckets is the same model.
     assert len(json.load(open(hf_dir / "model.safetensors.index.json"))["weight_map"]) > 0
     loaded = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()

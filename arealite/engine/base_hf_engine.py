@@ -308,16 +308,15 @@ class BaseHFEngine(TrainEngine):
         self, input_: TensorDict, required: tuple[str, ...] = ()
     ) -> tuple[list[dict[str, Any]], MicroBatchList | None] | None:
         """Validate, split under the token budget and pack. Every rank returns the same number
-        of micro-batches (dummies pad the short ones, at the end); None if all ranks are empty."""
-        validate_batch(input_, required)
+        of micro-batches (dummies pad the short ones, at the end); None if all ranks are empty.
+        A malformed batch on any rank raises on every rank (rather than hanging the others)."""
+        error = None
+        try:
+            self._validate(input_, required)
+        except (KeyError, TypeError, ValueError) as e:
+            error = e
+        du.raise_if_any_rank_failed(error)
         n_seqs = input_.batch_size[0]
-        vocab = getattr(self.model.config, "vocab_size", None)
-        ids = input_["input_ids"][input_["attention_mask"].bool()]
-        if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(
-                f"input_ids has token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                f"model's vocabulary [0, {vocab})"
-            )
         if sum(du.all_gather_int(n_seqs)) == 0:
             return None
         spec = self.config.mb_spec
@@ -332,6 +331,16 @@ class BaseHFEngine(TrainEngine):
         mbs = [self._pack(mb) for mb in mbl.mbs] if mbl else []
         mbs += [self._dummy_mb() for _ in range(n_max - len(mbs))]
         return mbs, mbl
+
+    def _validate(self, input_: TensorDict, required: tuple[str, ...]) -> None:
+        validate_batch(input_, required)
+        vocab = getattr(self.model.config, "vocab_size", None)
+        ids = input_["input_ids"][input_["attention_mask"].bool()]
+        if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(
+                f"input_ids has token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+                f"model's vocabulary [0, {vocab})"
+            )
 
     def _model_inputs(self, mb: dict[str, Any]) -> dict[str, Any]:
         cu = mb["cu_seqlens"]

@@ -123,6 +123,16 @@ def all_gather_int(value: int) -> list[int]:
     return [int(t.item()) for t in out]
 
 
+def raise_if_any_rank_failed(error: BaseException | None) -> None:
+    """Collective: re-raise `error` here, or fail on every other rank too, so one rank's bad
+    input cannot leave the rest blocked in their next collective."""
+    failed = [r for r, bad in enumerate(all_gather_int(error is not None)) if bad]
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} failed (see their error); stopping here too")
+
+
 def init_custom_process_group(
     backend: str,
     init_method: str,

@@ -85,7 +85,12 @@ class PPOActor:
         optional token-level advantage whitening.
         """
         cfg = self.config
-        rewards = _check_rewards(data)
+        error = None
+        try:
+            rewards = _check_rewards(data)
+        except (KeyError, ValueError) as e:
+            error = e
+        du.raise_if_any_rank_failed(error)  # later steps are collectives
         loss_mask = data["loss_mask"].bool() & data["attention_mask"].bool()
         raw = rewards
         stats = {"reward_raw": masked_mean(rewards, None, all_reduce=True).item()}
@@ -176,13 +181,15 @@ class PPOActor:
         needed = ["loss_mask", "advantages", "logprobs"]
         if cfg.recompute_logprob:
             needed.append("prox_logp")
-        for key in needed:
-            if key not in data.keys():
-                hint = {
-                    "advantages": "call actor.compute_advantages(batch) first",
-                    "prox_logp": "batch['prox_logp'] = actor.compute_logp(batch)",
-                }.get(key, "the rollout must provide it")
-                raise KeyError(f"ppo_update: batch has no {key!r} ({hint})")
+        missing = [k for k in needed if k not in data.keys()]
+        error = None
+        if missing:
+            hint = {
+                "advantages": "call actor.compute_advantages(batch) first",
+                "prox_logp": "batch['prox_logp'] = actor.compute_logp(batch)",
+            }.get(missing[0], "the rollout must provide it")
+            error = KeyError(f"ppo_update: batch has no {missing[0]!r} ({hint})")
+        du.raise_if_any_rank_failed(error)
         stats = self._batch_stats(data)
         acc = dict.fromkeys((*_SUM_KEYS, "n_tokens", "behave_imp_weight", "behave_n"), 0.0)
         loss_fn = self._make_loss_fn(acc)

@@ -42,9 +42,9 @@ class PPOCritic:
     def ppo_update(self, data: TensorDict) -> dict[str, float]:
         """`ppo_n_minibatches` steps of the clipped value loss towards `returns`; `values`
         (from compute_values before the update) anchor the clip."""
-        for key in ("loss_mask", "values", "returns"):
-            if key not in data.keys():
-                raise KeyError(f"critic ppo_update: batch has no {key!r}")
+        missing = [k for k in ("loss_mask", "values", "returns") if k not in data.keys()]
+        error = KeyError(f"critic ppo_update: batch has no {missing[0]!r}") if missing else None
+        du.raise_if_any_rank_failed(error)
         acc = {"n_tokens": 0.0, "clip": 0.0, "value": 0.0}
 
         def loss_fn(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine.base_hf_engine import packed_logprobs, target_mask
 from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.utils import distributed as du
 
 
 def sft_loss_fn(logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
@@ -30,10 +31,12 @@ def sft_loss_weight(mb: dict[str, Any]) -> float:
 
 
 def _require_loss_mask(data: TensorDict) -> None:
+    error = None
     if isinstance(data, TensorDict) and "loss_mask" not in data.keys():
-        raise KeyError(
+        error = KeyError(
             f"SFT batch has no 'loss_mask' entry (1 on target tokens); keys: {sorted(data.keys())}"
         )
+    du.raise_if_any_rank_failed(error)
 
 
 class LMEngine:
