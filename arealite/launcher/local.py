@@ -44,8 +44,9 @@ def start_servers(procs: ProcessSet, config, n_gpus: int) -> list[str]:
     ports = find_free_ports(alloc.gen_n_servers, config.server.host)
     roots = [os.path.abspath(config.run_dir)]
     specs = plan_servers(alloc, config.server, ports, roots, n_gpus)
+    threads = {} if n_gpus else {"OMP_NUM_THREADS": str(cpu_threads_per_process(config))}
     for s in specs:
-        procs.start(f"server{s.index}", s.cmd, s.env, critical=False)
+        procs.start(f"server{s.index}", s.cmd, {**threads, **s.env}, critical=False)
     for s in specs:
         child = procs.children[f"server{s.index}"]
         if not wait_healthy(s.address, config.server.startup_timeout, child.alive):
@@ -68,11 +69,16 @@ def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int
     ]  # fmt: skip
 
 
+def cpu_threads_per_process(config) -> int:
+    """Cores per process when servers and trainer ranks share this node's CPUs: oversubscribed
+    torch thread pools spin against each other and run many times slower than one thread."""
+    alloc = config.allocation
+    return max(1, (os.cpu_count() or 1) // (alloc.gen_n_servers + alloc.train_world_size))
+
+
 def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
     env = dict(kv.split("=", 1) for kv in config.launcher.env_vars)
-    env.setdefault(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.allocation.train_world_size))
-    )
+    env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(config)))
     env["PYTHONUNBUFFERED"] = "1"
     if server_addrs:
         env[SERVER_ADDRS_ENV] = ",".join(server_addrs)
