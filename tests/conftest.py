@@ -24,3 +24,19 @@ def tiny_model_dir_v2(tmp_path_factory) -> str:
     from arealite.utils.tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model_v2")), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> str:
+    """A random ~0.7M-parameter Qwen2-VL + processor files (see arealite/utils/tiny_vlm.py)."""
+    from arealite.utils.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir_v2(tmp_path_factory) -> str:
+    """Same VLM architecture and processor, different random weights."""
+    from arealite.utils.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm_v2")), seed=2)

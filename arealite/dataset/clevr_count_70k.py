@@ -16,10 +16,7 @@ Pillow and writes a directory this loader reads, so the whole vision path runs w
 
 from __future__ import annotations
 
-import base64
-import binascii
 import glob
-import io
 import json
 import os
 import random
@@ -27,6 +24,8 @@ import re
 from typing import Any
 
 from PIL import Image, ImageDraw
+
+from arealite.utils.vision import decode_image, image_to_base64
 
 HF_DATASET_ID = "BUAADreamer/clevr_count_70k"
 IMAGE_TAG = "<image>"  # how source problems mark where an image goes
@@ -135,30 +134,6 @@ def _validate(ds, source: str) -> None:
 
 
 # ----------------------------------------------------------------------------- images
-
-
-def decode_image(item: Any, base_dir: str | None = None) -> Image.Image:
-    """PIL image from a PIL image, HF {"bytes","path"} struct, path, data URL or base64 string."""
-    if isinstance(item, Image.Image):
-        return item
-    if isinstance(item, dict):
-        if item.get("bytes"):
-            return Image.open(io.BytesIO(item["bytes"]))
-        return decode_image(item.get("path"), base_dir)
-    if isinstance(item, bytes):
-        return Image.open(io.BytesIO(item))
-    if not isinstance(item, str) or not item:
-        raise ValueError(f"expected an image, path or base64 string, got {type(item).__name__}")
-    if item.startswith("data:"):
-        item = item.split(",", 1)[-1]
-    else:
-        path = item if os.path.isabs(item) or base_dir is None else os.path.join(base_dir, item)
-        if os.path.exists(path):
-            return Image.open(path)
-    try:
-        return Image.open(io.BytesIO(base64.b64decode(item, validate=True)))
-    except (binascii.Error, ValueError, OSError):
-        raise ValueError(f"not an existing file nor base64 image data: {item[:60]!r}") from None
 
 
 def fit_image(image: Image.Image, max_size: int = 336, factor: int = 1) -> Image.Image:
@@ -344,12 +319,6 @@ def generate_synthetic_counting(
         image, _ = draw_counting_image(rng, count, image_size)
         rows.append({"images": [image], "problem": SYNTHETIC_PROBLEM, "answer": str(count)})
     return rows
-
-
-def image_to_base64(image: Image.Image, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def write_synthetic_counting_dataset(

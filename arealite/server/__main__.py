@@ -21,7 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m arealite.server", description=__doc__.splitlines()[0]
     )
     p.add_argument(
-        "--model-path", required=True, help="HF causal LM directory (weights + tokenizer)"
+        "--model-path",
+        required=True,
+        help="HF causal LM or vision-language model directory (weights + tokenizer)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
@@ -100,14 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from arealite.server.app import InferenceServer, ServerOptions
-    from arealite.server.model_runner import ModelRunner
     from arealite.server.scheduler import Scheduler
+    from arealite.server.vlm_runner import create_runner
 
     if args.num_threads:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device, seed=args.seed)
+    runner = create_runner(args.model_path, dtype=args.dtype, device=args.device, seed=args.seed)
     logging.getLogger("arealite.server").info(
         "loaded %s on %s as %s (vocab %d, context %d)",
         args.model_path,

@@ -120,9 +120,16 @@ class InferenceServer:
     async def generate(self, request: web.Request) -> web.Response:
         body = decode_json_body(await request.read())
         req = parse_generate_request(
-            body, vocab_size=self.runner.vocab_size, max_positions=self.runner.max_positions
+            body,
+            vocab_size=self.runner.vocab_size,
+            max_positions=self.runner.max_positions,
+            accepts_images=self.runner.accepts_images,
         )
-        seq = self.runner.new_sequence(req)
+        if req.image_data:  # image decoding / preprocessing is CPU work: keep it off the loop
+            loop = asyncio.get_running_loop()
+            seq = await loop.run_in_executor(None, self.runner.new_sequence, req)
+        else:
+            seq = self.runner.new_sequence(req)
         if req.params.max_new_tokens == 0:
             seq.finish_reason = {"type": "length", "length": 0}
             seq.weight_version = self.scheduler.weight_version
@@ -286,6 +293,7 @@ class InferenceServer:
                 "max_position_embeddings": r.max_positions,
                 "max_batch_size": self.options.max_batch_size,
                 "eos_token_ids": sorted(r.eos_ids),
+                "is_multimodal": r.accepts_images,
                 "paused": self.scheduler.paused,
                 "server": "arealite-embedded",
             }

@@ -75,15 +75,21 @@ def resolve_dtype(name: str, config) -> torch.dtype:
 class ModelRunner:
     """Owns the model, the tokenizer and the running batch. Not thread-safe: one caller thread."""
 
+    # transformers auto class that loads the served checkpoint (VLMRunner overrides it).
+    auto_model_class = "AutoModelForCausalLM"
+    accepts_images = False
+
     def __init__(self, model_path: str, dtype: str = "auto", device: str | None = None, seed=0):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = AutoConfig.from_pretrained(model_path)
         self.dtype = resolve_dtype(dtype, config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        auto_cls = getattr(transformers, self.auto_model_class)
+        self.model = auto_cls.from_pretrained(model_path, dtype=self.dtype)
         self.model.to(self.device).eval()
         text_config = self.model.config.get_text_config()
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
@@ -136,7 +142,7 @@ class ModelRunner:
                     s.finish_reason = {"type": "abort", "message": message}
         return self._drop(lambda s: s.finish_reason is not None)
 
-    def _forward(self, batch: _Batch, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    def _forward(self, batch: _Batch, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra):
         out = self.model(
             input_ids=input_ids,
             attention_mask=batch.attention_mask,
@@ -144,8 +150,17 @@ class ModelRunner:
             past_key_values=batch.cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
         return out.logits[:, -1, :]
+
+    def _prefill_inputs(
+        self, seqs: list[Sequence], ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Position ids of the left-padded prompts, the position of each row's next token, and
+        extra model kwargs. Text: positions count real tokens, so padding never shifts RoPE."""
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return positions, mask.sum(-1), {}
 
     def _prefill(self, seqs: list[Sequence]) -> _Batch:
         from transformers import DynamicCache
@@ -158,15 +173,15 @@ class ModelRunner:
             ids[i, width - lens[i] :] = torch.tensor(s.req.input_ids)
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        positions, next_positions, extra = self._prefill_inputs(seqs, ids, mask)
         batch = _Batch(
             seqs=seqs,
             cache=DynamicCache(config=self.model.config),
             attention_mask=mask,
-            positions=torch.tensor(lens, device=self.device),
+            positions=next_positions,
             last_tokens=ids[:, -1],
         )
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(batch, ids, positions)
+        logits = self._forward(batch, ids, positions, **extra)
         if self._mergeable is None:
             from transformers.cache_utils import DynamicLayer
 
@@ -301,9 +316,10 @@ class ModelRunner:
 
     def _read_with_transformers(self, path: str) -> dict[str, torch.Tensor]:
         """Fallback for renamed keys / .bin checkpoints: let transformers do the mapping."""
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        other = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        auto_cls = getattr(transformers, self.auto_model_class)
+        other = auto_cls.from_pretrained(path, dtype=self.dtype)
         state = other.state_dict()
         if not self._matches(state):
             raise ValueError(f"checkpoint at {path} does not match the served architecture")

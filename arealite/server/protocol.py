@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when the client sends none
@@ -30,7 +30,6 @@ _NEUTRAL_TOP = {
     "stream": (False,),
     "top_logprobs_num": (0,),
     "return_text_in_logprobs": (False,),
-    "image_data": (),
     "lora_path": (),
     "text": (),
 }
@@ -74,6 +73,8 @@ class GenerateRequest:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    # Base64 images / data URLs (SGLang's `image_data`), one per <|image_pad|> run, in order.
+    image_data: list[str] = field(default_factory=list)
 
 
 def decode_json_body(body: bytes) -> Any:
@@ -175,7 +176,7 @@ _SAMPLING_KEYS = {
     "ignore_eos",
     "skip_special_tokens",
 }
-_TOP_KEYS = {"rid", "input_ids", "sampling_params", "return_logprob"}
+_TOP_KEYS = {"rid", "input_ids", "sampling_params", "return_logprob", "image_data"}
 
 
 def parse_sampling_params(
@@ -225,7 +226,28 @@ def parse_sampling_params(
     )
 
 
-def parse_generate_request(body: Any, *, vocab_size: int, max_positions: int) -> GenerateRequest:
+def parse_image_data(value: Any, accepts_images: bool) -> list[str]:
+    """SGLang accepts one image or a list; we take base64 strings / data URLs only."""
+    if value is None or value == [] or value == "":
+        return []
+    if not accepts_images:
+        raise BadRequest("image_data: the served model is not a vision-language model")
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise BadRequest(
+            f"image_data: expected a list of base64 images, got {type(value).__name__}"
+        )
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item:
+            raise BadRequest(
+                f"image_data[{i}]: expected a base64 string or data URL, got {json.dumps(item)[:40]}"
+            )
+    return items
+
+
+def parse_generate_request(
+    body: Any, *, vocab_size: int, max_positions: int, accepts_images: bool = False
+) -> GenerateRequest:
     """JSON body of POST /generate -> GenerateRequest, or BadRequest naming the field."""
     body = require_object(body)
     _check_extras(body, _TOP_KEYS, _NEUTRAL_TOP, _IGNORED_TOP, "")
@@ -251,6 +273,7 @@ def parse_generate_request(body: Any, *, vocab_size: int, max_positions: int) ->
         input_ids=input_ids,
         params=params,
         return_logprob=_bool(body, "return_logprob", False),
+        image_data=parse_image_data(body.get("image_data"), accepts_images),
     )
 
 

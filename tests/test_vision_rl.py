@@ -1,0 +1,177 @@
+"""Vision RL/SFT pieces on the tiny Qwen2-VL: the embedded server's VLM runner, the image
+carrier in batches, VisionRLVRWorkflow, and the FSDP engine's packed VLM forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arealite.dataset.clevr_count_70k import SYSTEM_PROMPT, fit_image, generate_synthetic_counting
+from arealite.server.protocol import BadRequest, parse_generate_request
+from arealite.utils.tiny_vlm import IMAGE_PLACEHOLDER, load_vlm_processor
+from arealite.utils.vision import image_to_base64, mm_token_type_ids
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm_dir):
+    return load_vlm_processor(tiny_vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_vlm_dir):
+    from arealite.server.vlm_runner import VLMRunner, create_runner
+
+    r = create_runner(tiny_vlm_dir, dtype="float32", device="cpu")
+    assert isinstance(r, VLMRunner)
+    return r
+
+
+@pytest.fixture(scope="module")
+def image_sets():
+    """One image, no image, two images of different sizes (different grids)."""
+    imgs = [r["images"][0] for r in generate_synthetic_counting(3, seed=0)]
+    return [
+        [fit_image(imgs[0], 112, 28)],
+        [],
+        [fit_image(imgs[1], 56, 28), fit_image(imgs[2], 84, 28)],
+    ]
+
+
+def encode(processor, images, question="How many objects?"):
+    content = IMAGE_PLACEHOLDER * len(images) + question
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": content},
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if images:
+        return processor(text=[text], images=images, return_tensors="pt")
+    return processor.tokenizer([text], return_tensors="pt")
+
+
+def make_request(runner, input_ids, images, max_new_tokens=6, **extra):
+    body = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, **extra},
+        "return_logprob": True,
+        "image_data": [image_to_base64(i) for i in images],
+    }
+    return parse_generate_request(
+        body, vocab_size=runner.vocab_size, max_positions=runner.max_positions, accepts_images=True
+    )
+
+
+def full_forward_logprobs(model, ids: list[int], enc, prompt_len: int) -> list[float]:
+    """Reference: one forward of prompt + completion, processor images, no cache."""
+    t = torch.tensor(ids)[None]
+    kw = {}
+    if "pixel_values" in enc:
+        kw = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+    with torch.no_grad():
+        logits = model(
+            input_ids=t, mm_token_type_ids=mm_token_type_ids(t, model.config), use_cache=False, **kw
+        ).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)
+    return [lp[prompt_len - 1 + j, tok].item() for j, tok in enumerate(ids[prompt_len:])]
+
+
+# ----------------------------------------------------------------------------- server runner
+
+
+def test_vlm_runner_batches_mixed_requests_with_exact_logprobs(runner, processor, image_sets):
+    """Rows with 1 / 0 / 2 images; the third joins a running batch mid-decode. Every sampled
+    token's logprob equals a full forward's (M-RoPE delta carried through decoding)."""
+    encs = [encode(processor, imgs) for imgs in image_sets]
+    seqs = [
+        runner.new_sequence(make_request(runner, e["input_ids"][0].tolist(), imgs))
+        for e, imgs in zip(encs, image_sets)
+    ]
+    with torch.inference_mode():
+        runner.step(seqs[:2])
+        runner.step([seqs[2]])
+        while runner.num_running:
+            runner.step([])
+    for s, e in zip(seqs, encs):
+        assert len(s.output_ids) == 6
+        ref = full_forward_logprobs(
+            runner.model, s.req.input_ids + s.output_ids, e, len(s.req.input_ids)
+        )
+        assert max(abs(a - b) for a, b in zip(ref, s.output_logprobs)) < 1e-4
+
+
+def test_vlm_runner_expands_a_single_pad_like_sglang(runner, processor, image_sets):
+    enc = encode(processor, image_sets[0])
+    ids = enc["input_ids"][0].tolist()
+    pad = runner.image_token_id
+    short = [t for i, t in enumerate(ids) if t != pad or ids[i - 1] != pad]  # one pad per run
+    assert short.count(pad) == 1 and ids.count(pad) == 16
+    seq = runner.new_sequence(make_request(runner, short, image_sets[0]))
+    assert seq.req.input_ids == ids
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_images", "0 images for 1 <|image_pad|> runs"),
+        ("wrong_image", "image_data[0]: its <|image_pad|> run in input_ids has 16 tokens"),
+        ("not_base64", "image_data[0]: not base64 image data"),
+        ("not_a_list", "image_data: expected a list"),
+        ("not_a_string", "image_data[0]: expected a base64 string"),
+    ],
+)
+def test_vlm_runner_rejects_bad_image_requests_naming_the_image(
+    runner, processor, image_sets, case, needle
+):
+    ids = encode(processor, image_sets[0])["input_ids"][0].tolist()
+    images = {
+        "no_images": [],
+        "wrong_image": [image_to_base64(image_sets[2][0])],
+        "not_base64": ["not*base64"],
+        "not_a_list": {"a": 1},
+        "not_a_string": [3],
+    }[case]
+    body = {"input_ids": ids, "image_data": images}
+    with pytest.raises(BadRequest, match=needle.replace("[", r"\[").replace("|", r"\|")):
+        req = parse_generate_request(
+            body, vocab_size=runner.vocab_size, max_positions=4096, accepts_images=True
+        )
+        runner.new_sequence(req)
+
+
+def test_text_server_refuses_image_data():
+    with pytest.raises(BadRequest, match="not a vision-language model"):
+        parse_generate_request(
+            {"input_ids": [1, 2], "image_data": ["aGk="]}, vocab_size=10, max_positions=100
+        )
+    req = parse_generate_request(
+        {"input_ids": [1, 2], "image_data": []}, vocab_size=10, max_positions=100
+    )
+    assert req.image_data == []
+
+
+def test_vlm_runner_loads_checkpoint_names_and_module_names(
+    runner, tiny_vlm_dir, tiny_vlm_dir_v2, tmp_path
+):
+    """An HF checkpoint (disk names model.layers.*, visual.*) and a module-named one both load."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+
+    other = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir_v2)
+    want = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        runner.load_weights_from_disk(tiny_vlm_dir_v2)
+        got = runner.model.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        save_file(
+            {
+                k: v.contiguous()
+                for k, v in AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+                .state_dict()
+                .items()
+            },
+            str(tmp_path / "model.safetensors"),
+        )
+        runner.load_weights_from_disk(str(tmp_path))
+        assert not torch.equal(runner.model.state_dict()["lm_head.weight"], want["lm_head.weight"])
+    finally:
+        runner.load_weights_from_disk(tiny_vlm_dir)
