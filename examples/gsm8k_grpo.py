@@ -165,11 +165,12 @@ def main(argv: list[str], reward_fn=gsm8k_reward_fn) -> None:
                 stats["eval/accuracy"] = acc
             if accuracy_before is not None:
                 stats["eval/accuracy_before_training"] = accuracy_before
-        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1)
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
         stats.update(stats_tracker.export())
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
         logger.commit(epoch, step, global_step, stats)
+        # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
+        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1)
 
     # Export the final policy; the summary (and curves.png) sit next to metrics.jsonl.
     saver.save(actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)

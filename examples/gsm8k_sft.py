@@ -87,9 +87,10 @@ def main(argv: list[str]) -> None:
             loss = evaluator.evaluate(validation_loss, epoch, step, global_step)
             if loss is not None:
                 stats["eval/loss"] = loss
-        recover.dump(engine, train_loader, None, saver, evaluator, global_step + 1)
         stats.update(stats_tracker.export())
         logger.commit(epoch, step, global_step, stats)
+        # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
+        recover.dump(engine, train_loader, None, saver, evaluator, global_step + 1)
 
     saver.save(engine, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
     logger.close()

@@ -22,6 +22,7 @@ from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from arealite.engine.base_hf_engine import BaseHFEngine, build_optimizer, load_hf_model, logger
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
+from arealite.utils.recover import read_json, safe_dcp_reader, write_json
 from arealite.utils.save_load import (
     atomic_dir,
     copy_non_weight_files,
@@ -169,8 +170,12 @@ class FSDPEngine(BaseHFEngine):
         extra = {"rng": rng_state(), "version": self._version}
         if with_optim and self.lr_scheduler is not None:
             extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-        torch.save(extra, os.path.join(staged, f"extra_state_rank{du.rank()}.pt"))
-        du.barrier()
+        error = None
+        try:  # JSON, not a pickle: loading a checkpoint must never run code
+            write_json(os.path.join(staged, f"extra_state_rank{du.rank()}.json"), extra)
+        except (OSError, TypeError) as e:
+            error = e
+        du.raise_if_any_rank_failed(error)
         if du.is_main():
             swap_in(staged, path)
         du.barrier()
@@ -185,14 +190,14 @@ class FSDPEngine(BaseHFEngine):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no DCP checkpoint at {path}")
         state = self._dcp_state(with_optim)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=safe_dcp_reader(path))
         set_model_state_dict(self.model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        extra_path = os.path.join(path, f"extra_state_rank{du.rank()}.pt")
+        extra_path = os.path.join(path, f"extra_state_rank{du.rank()}.json")
         if not os.path.exists(extra_path):  # resumed with more ranks than saved
-            extra_path = os.path.join(path, "extra_state_rank0.pt")
-        extra = torch.load(extra_path, weights_only=False)
+            extra_path = os.path.join(path, "extra_state_rank0.json")
+        extra = read_json(extra_path)
         set_rng_state(extra["rng"])
         self._version = extra["version"]
         if with_optim and self.lr_scheduler is not None and "lr_scheduler" in extra:

@@ -2,21 +2,26 @@
 
 A recover checkpoint is one directory `<run_dir>/recover/checkpoint` holding
 - `model/`: the trainer's DCP checkpoint (model + optimizer + LR scheduler + RNG, every rank);
-- `rank<r>.json`: per rank, the dataloader position, the rollout executor's staleness counters,
-  the saver / evaluator timers and the next step to run.
-It is written into a staging directory and swapped in only when complete, so a crash during the
-write leaves the previous checkpoint intact. Only JSON, safetensors and DCP files are written and
-read back (no pickles).
+- `rank<r>.json`: per rank, the dataloader position, the rollout executor's state (staleness
+  counters and the data items it had pulled but the trainer had not consumed yet), the saver /
+  evaluator timers and the next step to run (which is also the stats logger's first step).
+It is written into a staging directory and swapped in only when complete, so a crash (or a full
+disk) during the write leaves the previous checkpoint intact. Only JSON and DCP files are
+written, and nothing is unpickled on load: JSON for our state, and DCP's `.metadata` pickle is
+read by an unpickler that admits only DCP's own metadata classes (`SafeDCPReader`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
 from typing import Any
 
+import numpy as np
 import torch
 
 from arealite.utils import distributed as du
@@ -26,26 +31,122 @@ from arealite.utils.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger("arealite.recover")
 
+STATE_FORMAT = 2  # bump when rank<r>.json changes incompatibly
+
+
+# ----------------------------------------------------------------------------- JSON state
+
 
 def to_json(obj: Any) -> Any:
-    """JSON form of a state dict: tensors become {"__tensor__": list, "dtype": str}."""
+    """JSON form of a state dict that `from_json` turns back into the same types: tensors,
+    numpy arrays and tuples are tagged (RNG states are tuples of arrays)."""
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": obj.tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
     if isinstance(obj, dict):
         return {str(k): to_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_json(v) for v in obj]}
+    if isinstance(obj, list):
         return [to_json(v) for v in obj]
-    return obj
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} in a JSON recover state: {obj!r:.80}")
 
 
 def from_json(obj: Any) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return torch.tensor(obj["__tensor__"], dtype=getattr(torch, obj["dtype"]))
+        if "__ndarray__" in obj:
+            return np.array(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
+        if "__tuple__" in obj:
+            return tuple(from_json(v) for v in obj["__tuple__"])
         return {k: from_json(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [from_json(v) for v in obj]
     return obj
+
+
+def write_json(path: str, state: Any) -> None:
+    """Write, flush and fsync: the file is complete on disk before it can be swapped in."""
+    with open(path, "w") as f:
+        json.dump(to_json(state), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str) -> Any:
+    with open(path) as f:
+        return from_json(json.load(f))
+
+
+# ----------------------------------------------------------------------------- pickle-free DCP
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes / sizes / layouts and paths: a tampered
+    `.metadata` can build those, never call anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata may not reference {module}.{name}")
+
+
+def _safe_reader_cls():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeDCPReader(FileSystemReader):
+        """FileSystemReader whose `.metadata` is read without arbitrary unpickling (tensor
+        payloads and non-tensor values already load through torch's weights-only loader)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _DCPMetadataUnpickler(io.BytesIO(f.read())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeDCPReader
+
+
+def safe_dcp_reader(path: str):
+    """A DCP storage reader for `dcp.load(state, storage_reader=safe_dcp_reader(path))`."""
+    return _safe_reader_cls()(path)
+
+
+# ----------------------------------------------------------------------------- the handler
+
+
+class RecoverError(RuntimeError):
+    """A recover checkpoint could not be written or read; the message says which and why."""
 
 
 class RecoverHandler:
@@ -67,37 +168,64 @@ class RecoverHandler:
 
     def dump(self, engine, dataloader, rollout, saver, evaluator, next_step: int,
              force: bool = False) -> bool:  # fmt: skip
-        """After a finished step: write a checkpoint if due. Collective over trainer ranks."""
+        """After a finished (and logged) step: write a checkpoint if due. Collective over
+        trainer ranks. On failure (e.g. a full disk) every rank raises RecoverError and the
+        previous checkpoint is left as it was."""
         if not self.enabled:
             return False
         end_of_epoch = next_step % self.ft_spec.steps_per_epoch == 0
         if not (self.freq_ctl.check(epochs=int(end_of_epoch), steps=1) or force):
             return False
         staged = tmp_sibling(self.path, "staging")
+        try:
+            self._write(staged, engine, dataloader, rollout, saver, evaluator, next_step)
+        except Exception as e:
+            if du.is_main():
+                shutil.rmtree(staged, ignore_errors=True)
+            raise RecoverError(
+                f"recover checkpoint for step {next_step} failed ({type(e).__name__}: {e}); "
+                f"the previous checkpoint at {self.path} is intact"
+            ) from e
+        logger.info("recover checkpoint written for step %d: %s", next_step, self.path)
+        return True
+
+    def _write(self, staged, engine, dataloader, rollout, saver, evaluator, next_step) -> None:
+        error = None
         if du.is_main():
-            shutil.rmtree(staged, ignore_errors=True)
-            os.makedirs(staged)
-        du.barrier()
-        meta_cls = _save_load_meta_cls()
+            try:
+                shutil.rmtree(staged, ignore_errors=True)
+                os.makedirs(staged)
+            except OSError as e:
+                error = e
+        du.raise_if_any_rank_failed(error)
         engine.save(
-            meta_cls(path=os.path.join(staged, "model"), weight_format="dcp", with_optim=True)
+            _save_load_meta_cls()(
+                path=os.path.join(staged, "model"), weight_format="dcp", with_optim=True
+            )
         )
         state = {
+            "format": STATE_FORMAT,
             "next_step": next_step,
+            "world_size": du.world_size(),
             "dataloader": dataloader.state_dict(),
             "rollout": rollout.executor.state_dict() if rollout is not None else None,
             "saver": saver.state_dict() if saver is not None else None,
             "evaluator": evaluator.state_dict() if evaluator is not None else None,
             "recover": self.freq_ctl.state_dict(),
         }
-        with open(self._state_path(staged), "w") as f:
-            json.dump(to_json(state), f)
-        du.barrier()
+        error = None
+        try:
+            write_json(self._state_path(staged), state)
+        except (OSError, TypeError) as e:
+            error = e
+        du.raise_if_any_rank_failed(error)
+        error = None
         if du.is_main():
-            swap_in(staged, self.path)
-        du.barrier()
-        logger.info("recover checkpoint written for step %d: %s", next_step, self.path)
-        return True
+            try:
+                swap_in(staged, self.path)
+            except OSError as e:
+                error = e
+        du.raise_if_any_rank_failed(error)
 
     def load(self, engine, dataloader, rollout, saver, evaluator) -> int:
         """Restore the newest checkpoint (per `mode`); returns the step to start from (0 = fresh)."""
@@ -110,15 +238,11 @@ class RecoverHandler:
                 )
             logger.info("no recover checkpoint at %s: starting fresh", self.path)
             return 0
-        rank_file = self._state_path(self.path)
-        if not os.path.exists(rank_file):
-            raise RuntimeError(f"recover checkpoint {self.path} has no state for rank {du.rank()}: "
-                               "resume with the same number of trainer ranks")  # fmt: skip
-        with open(rank_file) as f:
-            state = from_json(json.load(f))
-        meta_cls = _save_load_meta_cls()
+        state = self._read_state()
         engine.load(
-            meta_cls(path=os.path.join(self.path, "model"), weight_format="dcp", with_optim=True)
+            _save_load_meta_cls()(
+                path=os.path.join(self.path, "model"), weight_format="dcp", with_optim=True
+            )
         )
         dataloader.load_state_dict(state["dataloader"])
         if rollout is not None and state["rollout"] is not None:
@@ -131,3 +255,27 @@ class RecoverHandler:
         engine.set_version(state["next_step"])
         logger.info("resumed from %s at step %d", self.path, state["next_step"])
         return state["next_step"]
+
+    def _read_state(self) -> dict[str, Any]:
+        rank_file = self._state_path(self.path)
+        if not os.path.exists(rank_file):
+            raise RecoverError(
+                f"recover checkpoint {self.path} has no state for rank {du.rank()}: resume with "
+                "the same number of trainer ranks"
+            )
+        try:
+            state = read_json(rank_file)
+        except (OSError, ValueError) as e:
+            raise RecoverError(f"recover state {rank_file} is unreadable: {e}") from e
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise RecoverError(
+                f"recover state {rank_file} has format {state.get('format')!r} (expected "
+                f"{STATE_FORMAT}): it was written by another arealite version; delete "
+                f"{os.path.dirname(self.path)} to start fresh"
+            )
+        if state["world_size"] != du.world_size():
+            raise RecoverError(
+                f"recover checkpoint {self.path} was written by {state['world_size']} trainer "
+                f"ranks, this run has {du.world_size()}: resume with the same allocation"
+            )
+        return state
