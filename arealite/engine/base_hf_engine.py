@@ -39,6 +39,7 @@ from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
+from arealite.engine.vlm_inputs import vlm_attn_implementation, vlm_forward_mb
 from arealite.utils import distributed as du
 from arealite.utils.data import (
     MicroBatchList,
@@ -47,6 +48,7 @@ from arealite.utils.data import (
 )
 from arealite.utils.fsdp import clip_grad_norm_, torch_dtype
 from arealite.utils.functional import gather_logprobs, gather_logprobs_entropy
+from arealite.utils.vision import is_vlm_config
 
 logger = logging.getLogger("arealite.engine")
 
@@ -129,10 +131,16 @@ def target_mask(mb: dict[str, Any]) -> torch.Tensor:
 
 
 def load_hf_model(config: TrainEngineConfig) -> nn.Module:
-    """The HF model at `config.path` on CPU: a causal LM, or (critic) the same backbone with a
-    1-output token-classification head. Random parts (init_from_scratch, value head) use a fixed
-    seed so every rank builds identical weights before sharding."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    """The HF model at `config.path` on CPU: a causal LM, a vision-language model (config with
+    vision_config), or (critic) the same backbone with a 1-output token-classification head.
+    Random parts (init_from_scratch, value head) use a fixed seed so every rank builds
+    identical weights before sharding."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     if config.attn_impl == "flash_attention_2" and not torch.cuda.is_available():
         raise ValueError("attn_impl=flash_attention_2 needs a GPU; use sdpa or eager on CPU")
@@ -145,6 +153,11 @@ def load_hf_model(config: TrainEngineConfig) -> nn.Module:
         hf_config.num_labels = 1
         hf_config.classifier_dropout = 0.0  # a value head must be deterministic
     kw = dict(dtype=torch_dtype(config.dtype), attn_implementation=config.attn_impl)
+    if is_vlm_config(hf_config):
+        if config.is_critic:
+            raise ValueError("a critic (value head) on a vision-language model is not supported")
+        cls = AutoModelForImageTextToText
+        kw["attn_implementation"] = vlm_attn_implementation(config.attn_impl)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if config.init_from_scratch:
@@ -363,6 +376,8 @@ class BaseHFEngine(TrainEngine):
     def forward_mb(self, mb: dict[str, Any]) -> torch.Tensor:
         """Logits [T, V] of one packed micro-batch (values [T], float32, for a critic; not yet
         shifted to token alignment)."""
+        if is_vlm_config(self.model.config):
+            return vlm_forward_mb(self.model, mb, self._model_inputs, self.config.attn_impl)
         out = self.model(**self._model_inputs(mb)).logits[0]
         return out.squeeze(-1).float() if self.config.is_critic else out
 

@@ -5,6 +5,11 @@ Convention: a batch is a TensorDict with batch size `[B]` whose *sequence* entri
 Any entry whose second dimension equals `L` is treated as a sequence entry; everything else is
 per-sequence data (`[B]` or `[B, ...]`) carried along unchanged.
 
+Non-tensor per-sequence entries: a row value that is a dict (e.g. a VLM's images,
+`{"pixel_values": [n_patches, D], "image_grid_thw": [n_images, 3]}`, whose sizes vary per
+sequence) becomes a `NonTensorStack` with batch size `[B]`; indexing, splitting, concatenation
+and packing keep one item per sequence (packed micro-batches get a plain list, in order).
+
 The trainer packs sequences into one row (`cu_seqlens` marks the boundaries) and splits a batch
 into micro-batches under a token budget; `MicroBatchList` keeps the permutation so results can be
 put back in the original order.
@@ -18,13 +23,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 # --------------------------------------------------------------------------- padding
 
 
 def _as_1d_tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def stack_non_tensor(values: Sequence[Any]) -> NonTensorStack:
+    """One non-tensor item per sequence, as a TensorDict entry of batch size [len(values)]."""
+    return NonTensorStack.from_list(list(values))
+
+
+def is_non_tensor_key(data: TensorDict, key: str) -> bool:
+    return not isinstance(data.get(key), torch.Tensor)
+
+
+def non_tensor_list(data: TensorDict, key: str) -> list[Any]:
+    """The per-sequence items of a non-tensor entry, as a plain list of length B."""
+    return list(data.get(key).tolist())
 
 
 def pad_sequences_to_tensors(rows: Sequence[dict[str, Any]], pad_value: float = 0.0) -> TensorDict:
@@ -39,7 +58,8 @@ def pad_sequences_to_tensors(rows: Sequence[dict[str, Any]], pad_value: float = 
     for i, r in enumerate(rows):
         if list(r.keys()) != keys:
             raise ValueError(f"row {i} has keys {sorted(r)}, expected {sorted(keys)}")
-    seq_keys = [k for k in keys if _as_1d_tensor(rows[0][k]).ndim >= 1]
+    non_tensor = [k for k in keys if isinstance(rows[0][k], dict)]
+    seq_keys = [k for k in keys if k not in non_tensor and _as_1d_tensor(rows[0][k]).ndim >= 1]
     lengths = []
     for i, r in enumerate(rows):
         lens = {k: len(_as_1d_tensor(r[k])) for k in seq_keys}
@@ -49,6 +69,9 @@ def pad_sequences_to_tensors(rows: Sequence[dict[str, Any]], pad_value: float = 
     max_len = max(lengths, default=0)
     out = {}
     for k in keys:
+        if k in non_tensor:
+            out[k] = stack_non_tensor([r[k] for r in rows])
+            continue
         vals = [_as_1d_tensor(r[k]) for r in rows]
         if k not in seq_keys:
             out[k] = torch.stack(vals)
@@ -84,6 +107,9 @@ def concat_padded_tensors(tds: Sequence[TensorDict], pad_value: float = 0.0) -> 
             raise ValueError(f"batch {i} has keys {sorted(td.keys())}, expected {sorted(keys)}")
     out = {}
     for k in keys:
+        if is_non_tensor_key(tds[0], k):
+            out[k] = stack_non_tensor([x for td in tds for x in non_tensor_list(td, k)])
+            continue
         parts = []
         for td in tds:
             v = td[k]
@@ -122,6 +148,8 @@ def pack_tensor_dict(data: TensorDict) -> dict[str, Any]:
         if is_sequence_key(data, k):
             packed[k] = data[k][mask]
             seq_keys.append(k)
+        elif is_non_tensor_key(data, k):
+            packed[k] = non_tensor_list(data, k)
         else:
             packed[k] = data[k]
     packed["seq_keys"] = tuple(seq_keys)
@@ -157,7 +185,10 @@ def unpack_tensor_dict(packed: dict[str, Any], max_len: int | None = None) -> Te
     for k, v in packed.items():
         if k in ("cu_seqlens", "max_seqlen", "seq_keys"):
             continue
-        out[k] = pad_packed(v, cu, L) if k in packed["seq_keys"] else v
+        if k in packed["seq_keys"]:
+            out[k] = pad_packed(v, cu, L)
+        else:
+            out[k] = stack_non_tensor(v) if isinstance(v, list) else v
     out["attention_mask"] = torch.arange(L)[None, :] < lens[:, None]
     return TensorDict(out, batch_size=[len(lens)])
 
