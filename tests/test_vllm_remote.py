@@ -228,7 +228,7 @@ def test_interrupted_generation_resumes_across_weight_update(
     engine, server, hf_models, tiny_model_dir_v2
 ):
     before = generate(engine, max_new_tokens=8, greedy=True)
-    budget, n = 160, 4
+    budget, n = 640, 4  # long enough that a loaded machine cannot finish first
 
     async def scenario():
         tasks = [
