@@ -1,7 +1,10 @@
 """Datasets by name: `get_custom_dataset(path, rank, world_size, type="rl"|"sft", ...)`.
 
 `path` picks the task: "arith" (synthetic arithmetic, see arith.py), a GSM8K hub id
-("openai/gsm8k") or a local GSM8K-format .jsonl / .parquet file or directory (see gsm8k.py).
+("openai/gsm8k") or a local GSM8K-format .jsonl / .parquet file or directory (see gsm8k.py),
+a CLEVR-count source (any path containing "clevr_count_70k") or "synthetic_counting" (its
+offline stand-in, `size` rows from `seed`); the vision sets need a `processor`
+(see clevr_count_70k.py).
 The result is a `datasets.Dataset` (map-style, so StatefulDataLoader can checkpoint its position)
 holding this rank's shard; every rank builds the same rows and keeps a disjoint contiguous slice.
 """
@@ -59,6 +62,8 @@ def get_custom_dataset(
     unknown = set(kwargs) - set(ARITH_KWARGS)
     if unknown:
         raise TypeError(f"get_custom_dataset got unknown arguments {sorted(unknown)}")
+    if path == "synthetic_counting" or "clevr_count_70k" in path.lower():
+        return _vision_dataset(path, rank, world_size, type, split, processor, kwargs)
     if path == "arith":
         ds = get_arith_dataset(split, type, tokenizer, **kwargs)
     elif "gsm8k" in path.lower() or os.path.exists(path):
@@ -71,3 +76,16 @@ def get_custom_dataset(
         )
     ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}")
     return shard_dataset(ds, rank, world_size)
+
+
+def _vision_dataset(path, rank, world_size, type, split, processor, kwargs) -> Any:
+    """CLEVR-count rows (RL: messages + images + answer; SFT: ids + images), sharded inside."""
+    from arealite.dataset import clevr_count_70k as clevr
+
+    if processor is None:
+        raise ValueError(f"vision dataset {path!r} needs a processor (load_vlm_processor(path))")
+    if path == "synthetic_counting":
+        path = clevr.synthetic_counting_dir(kwargs.get("size", 256), kwargs.get("seed", 0), split)
+    if type == "rl":
+        return clevr.get_clevr_count_70k_rl_dataset(path, split, processor, rank, world_size)
+    return clevr.get_clevr_count_70k_sft_dataset(path, split, processor, rank, world_size)

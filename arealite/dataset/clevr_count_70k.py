@@ -346,3 +346,28 @@ def write_synthetic_counting_dataset(
                 refs.append(rel)
             f.write(json.dumps({**row, "images": refs}) + "\n")
     return out_dir
+
+
+def synthetic_counting_dir(
+    size: int, seed: int, split: str = "train", root: str | None = None
+) -> str:
+    """A directory holding the synthetic counting set (images inline as base64), written once
+    per (size, seed, split) under `root` (default: the system temp dir) and reused; every rank
+    and run derives the same rows, so concurrent writers race harmlessly (atomic rename).
+    Held-out splits use another seed, so they never repeat training rows."""
+    import shutil
+    import tempfile
+
+    split_seed = seed if split == "train" else seed + 1_000_003
+    root = root or os.path.join(tempfile.gettempdir(), "arealite_datasets")
+    path = os.path.join(root, f"clevr_count_70k_synth_n{size}_s{split_seed}_{split}")
+    if os.path.exists(os.path.join(path, f"{split}.jsonl")):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    write_synthetic_counting_dataset(tmp, size, split_seed, split=split, embed_images=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first: its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
