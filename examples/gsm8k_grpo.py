@@ -3,7 +3,8 @@
     python -m arealite.launcher.local examples/gsm8k_grpo.py --config examples/configs/gsm8k_grpo.yaml \
         experiment_name=gsm8k trial_name=run1 actor.path=Qwen/Qwen2.5-1.5B-Instruct
 
-The same loop serves every RLVR task; `arith_grpo.py` runs it with the arithmetic reward.
+The same loop serves every RLVR task; `arith_grpo.py` runs it with the arithmetic reward,
+`clevr_count_70k_grpo.py` with images (VisionRLVRWorkflow and the model's processor).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from arealite.utils.stats_logger import StatsLogger
 from arealite.workflow.rlvr import RLVRWorkflow
 
 
-def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0):
+def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, processor=None):
     """This rank's share of a dataset, in rows (the workflow tokenizes)."""
     kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
     ds = get_custom_dataset(
         cfg.path, rank, world, type="rl", split=split or cfg.split, tokenizer=tokenizer,
-        max_length=cfg.max_length, **(kw if cfg.path == "arith" else {}),
+        max_length=cfg.max_length, processor=processor,
+        **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
     )  # fmt: skip
     return StatefulDataLoader(
         ds, batch_size=max(1, cfg.batch_size // world), collate_fn=lambda rows: rows,
@@ -46,12 +48,14 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0):
     )  # fmt: skip
 
 
-def make_accuracy_fn(config, rank, world, tokenizer, reward_fn):
+def make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls=RLVRWorkflow,
+                     processor=None):  # fmt: skip
     """Greedy held-out accuracy on a separate client, so evaluation never counts against
     the training rollouts' staleness budget."""
     if config.valid_dataset is None:
         return None
-    valid = dataloader(config.valid_dataset, rank, world, tokenizer, shuffle=False)
+    valid = dataloader(config.valid_dataset, rank, world, tokenizer, shuffle=False,
+                       processor=processor)  # fmt: skip
     rows = [row for batch in valid for row in batch]
     eval_cfg = dataclasses.replace(
         config.rollout, consumer_batch_size=max(1, len(rows)), max_head_offpolicyness=10**6,
@@ -60,7 +64,7 @@ def make_accuracy_fn(config, rank, world, tokenizer, reward_fn):
     engine = make_remote_engine(config.allocation.gen_backend, eval_cfg)
     engine.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
-    workflow = RLVRWorkflow(reward_fn, gconfig, tokenizer, reward_workers=1)
+    workflow = workflow_cls(reward_fn, gconfig, processor or tokenizer, reward_workers=1)
 
     def accuracy() -> float:
         batch = engine.rollout_batch(rows, workflow)
@@ -72,15 +76,22 @@ def make_accuracy_fn(config, rank, world, tokenizer, reward_fn):
     return accuracy, engine
 
 
-def main(argv: list[str], reward_fn=gsm8k_reward_fn) -> None:
+def main(
+    argv: list[str], reward_fn=gsm8k_reward_fn, workflow_cls=RLVRWorkflow, load_processor=None
+) -> None:
+    """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ...)` makes the episodes;
+    `load_processor(path)` (vision) loads the processor the datasets and workflows use."""
     config = load_expr_config(argv, GRPOConfig)
     actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
+    processor_path = config.tokenizer_path or config.actor.path
+    processor = load_processor(processor_path) if load_processor else None
     torch.manual_seed(config.seed)
 
     # Data: each trainer rank rolls out and trains on its own shard.
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed)
+    train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed,
+                              processor=processor)  # fmt: skip
     ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
                            config.train_dataset.batch_size)  # fmt: skip
     total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
@@ -93,12 +104,14 @@ def main(argv: list[str], reward_fn=gsm8k_reward_fn) -> None:
         ref.initialize(None, ft_spec)
     rollout = make_remote_engine(config.allocation.gen_backend, config.rollout)
     rollout.initialize(train_data_parallel_size=world)
-    workflow = RLVRWorkflow(
-        reward_fn, config.gconfig, tokenizer, reward_timeout=config.rollout.reward_timeout,
+    workflow = workflow_cls(
+        reward_fn, config.gconfig, processor or tokenizer,
+        reward_timeout=config.rollout.reward_timeout,
         reward_workers=config.rollout.reward_workers,
         dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
     )  # fmt: skip
-    evaluation = make_accuracy_fn(config, rank, world, tokenizer, reward_fn)
+    evaluation = make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls,
+                                  processor)  # fmt: skip
     weight_dir = os.path.join(config.run_dir, "weight_sync")
 
     # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).

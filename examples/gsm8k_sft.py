@@ -3,7 +3,8 @@
     python -m arealite.launcher.local examples/gsm8k_sft.py --config examples/configs/gsm8k_sft.yaml \
         experiment_name=gsm8k-sft trial_name=run1 model.path=Qwen/Qwen2.5-0.5B
 
-Any SFT dataset of rows {input_ids, loss_mask} works the same way (`arith_sft.py`).
+Any SFT dataset of rows {input_ids, loss_mask} works the same way (`arith_sft.py`); rows with
+images (pixel_values, image_grid_thw) carry them to the trainer (`clevr_count_70k_sft.py`).
 """
 
 from __future__ import annotations
@@ -26,33 +27,38 @@ from arealite.utils.evaluator import Evaluator
 from arealite.utils.recover import RecoverHandler
 from arealite.utils.saver import Saver
 from arealite.utils.stats_logger import StatsLogger
+from arealite.utils.vision import sft_row_inputs
 
 
-def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None):
+def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None, processor=None):
     kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
     ds = get_custom_dataset(
         cfg.path, rank, world, type="sft", split=cfg.split, tokenizer=tokenizer,
-        max_length=cfg.max_length, **(kw if cfg.path == "arith" else {}),
+        max_length=cfg.max_length, processor=processor,
+        **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
     )  # fmt: skip
     return StatefulDataLoader(
         ds, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last,
         shuffle=cfg.shuffle if shuffle is None else shuffle,
-        collate_fn=lambda rows: pad_sequences_to_tensors(
-            [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in rows]
-        ),
+        collate_fn=lambda rows: pad_sequences_to_tensors([sft_row_inputs(r) for r in rows]),
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], load_processor=None) -> None:
+    """`load_processor(path)` (vision) loads the processor the dataset needs."""
     config = load_expr_config(argv, SFTConfig)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
+    processor_path = config.tokenizer_path or config.model.path
+    processor = load_processor(processor_path) if load_processor else None
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     torch.manual_seed(config.seed)
-    train_loader = sft_loader(config.train_dataset, rank, world, tokenizer, config.seed)
+    train_loader = sft_loader(config.train_dataset, rank, world, tokenizer, config.seed,
+                              processor=processor)  # fmt: skip
     valid_loader = None
     if config.valid_dataset is not None:
-        valid_loader = sft_loader(config.valid_dataset, rank, world, tokenizer, 0, shuffle=False)
+        valid_loader = sft_loader(config.valid_dataset, rank, world, tokenizer, 0, shuffle=False,
+                                  processor=processor)  # fmt: skip
     ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
                            config.train_dataset.batch_size)  # fmt: skip
     total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)

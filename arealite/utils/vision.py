@@ -157,3 +157,15 @@ def concat_mm_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     if not thw:
         return None
     return {"pixel_values": torch.cat(pv), "image_grid_thw": torch.cat(thw).long()}
+
+
+def sft_row_inputs(row: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's fields of an SFT row: input_ids and loss_mask, plus the row's images under
+    MM_KEY when it has any (rows of a vision SFT set hold pixel_values / image_grid_thw)."""
+    out = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
+    if row.get("pixel_values") is not None:
+        out[MM_KEY] = {
+            "pixel_values": row["pixel_values"],
+            "image_grid_thw": torch.as_tensor(row["image_grid_thw"]).long(),
+        }
+    return out
