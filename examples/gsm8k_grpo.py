@@ -10,6 +10,7 @@ The same loop serves every RLVR task; `arith_grpo.py` runs it with the arithmeti
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.reward.math_verify_reward import gsm8k_reward_fn
 from arealite.utils import stats_tracker
 from arealite.utils.evaluator import Evaluator
-from arealite.utils.recover import RecoverHandler
+from arealite.utils.recover import RecoverHandler, ResumableSampler
 from arealite.utils.saver import Saver
 from arealite.utils.stats_logger import StatsLogger
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -41,10 +42,10 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, pr
         max_length=cfg.max_length, processor=processor,
         **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
     )  # fmt: skip
+    order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
         ds, batch_size=max(1, cfg.batch_size // world), collate_fn=lambda rows: rows,
-        shuffle=cfg.shuffle if shuffle is None else shuffle, drop_last=cfg.drop_last,
-        generator=torch.Generator().manual_seed(seed),
+        sampler=order, drop_last=cfg.drop_last,
     )  # fmt: skip
 
 
@@ -74,6 +75,13 @@ def make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls=RLV
         return (correct[0] / correct[1].clamp(min=1)).item()
 
     return accuracy, engine
+
+
+def log_trained_items(path: str, step: int, rows: list) -> None:
+    """Which data items step `step` trained on (a resumed run appends its steps again)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "query_ids": [r.get("query_id") for r in rows]}) + "\n")
 
 
 def main(
@@ -113,12 +121,14 @@ def main(
     evaluation = make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls,
                                   processor)  # fmt: skip
     weight_dir = os.path.join(config.run_dir, "weight_sync")
+    trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
 
     # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir)
-    start = recover.load(actor, train_loader, rollout, saver, evaluator)
+    recover_extra = {"workflow": workflow}  # its reward counters continue across restarts
+    start = recover.load(actor, train_loader, rollout, saver, evaluator, extra=recover_extra)
     if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
         actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
         if rank == 0:
@@ -142,6 +152,7 @@ def main(
                     data_iter = iter(train_loader)
                     rows = next(data_iter)
                 batch = rollout.rollout_batch(rows, workflow)
+        log_trained_items(trained_log, global_step, rollout.executor.last_batch_data)
 
         # 2. Logprobs: proximal policy for the decoupled loss, reference for the KL term.
         with stats_tracker.record_timing("compute_logp"):
@@ -176,19 +187,21 @@ def main(
             acc = evaluator.evaluate(evaluation[0], epoch, step, global_step, force=last)
             if acc is not None:
                 stats["eval/accuracy"] = acc
-            if accuracy_before is not None:
+            if accuracy_before is not None and global_step == 0:
                 stats["eval/accuracy_before_training"] = accuracy_before
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
         stats.update(stats_tracker.export())
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
         logger.commit(epoch, step, global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
-        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1)
+        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1,
+                     extra=recover_extra)  # fmt: skip
 
     # Export the final policy; the summary (and curves.png) sit next to metrics.jsonl.
     saver.save(actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
     summary = logger.close()
     if summary and evaluation is not None:
+        accuracy_before = summary["last"].get("eval/accuracy_before_training")
         print(f"held-out accuracy: {accuracy_before} before GRPO -> "
               f"{summary['last'].get('eval/accuracy')} after", flush=True)  # fmt: skip
     rollout.destroy()

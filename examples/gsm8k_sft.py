@@ -24,7 +24,7 @@ from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.utils import stats_tracker
 from arealite.utils.data import pad_sequences_to_tensors
 from arealite.utils.evaluator import Evaluator
-from arealite.utils.recover import RecoverHandler
+from arealite.utils.recover import RecoverHandler, ResumableSampler
 from arealite.utils.saver import Saver
 from arealite.utils.stats_logger import StatsLogger
 from arealite.utils.vision import sft_row_inputs
@@ -37,11 +37,10 @@ def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None, processor=None):
         max_length=cfg.max_length, processor=processor,
         **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
     )  # fmt: skip
+    order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
-        ds, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last,
-        shuffle=cfg.shuffle if shuffle is None else shuffle,
+        ds, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last, sampler=order,
         collate_fn=lambda rows: pad_sequences_to_tensors([sft_row_inputs(r) for r in rows]),
-        generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
 
 

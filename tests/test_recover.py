@@ -9,11 +9,13 @@ mid-checkpoint or between steps), so the tests cover whatever moment that is.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -114,6 +116,20 @@ def comparable(records: list[dict]) -> list[dict]:
     ]
 
 
+def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
+    """Equal up to float noise: a server's logprobs vary by ~1e-7 with batch composition."""
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys(), (ra["step"], ra.keys() ^ rb.keys())
+        for k in ra:
+            x, y = ra[k], rb[k]
+            same = x == y or (
+                isinstance(x, float) and isinstance(y, float)
+                and math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6)
+            )  # fmt: skip
+            assert same, f"step {ra['step']} {k}: {x} != {y}"
+
+
 def final_weights(run_dir, steps: int) -> dict[str, torch.Tensor]:
     path = os.path.join(run_dir, "checkpoints", "final", f"epoch0globalstep{steps}")
     return load_file(os.path.join(path, "model.safetensors"))
@@ -122,43 +138,60 @@ def final_weights(run_dir, steps: int) -> dict[str, torch.Tensor]:
 def assert_same_run(ref_dir, run_dir, steps: int, atol: float = 1e-6) -> None:
     a, b = comparable(metrics(ref_dir)), comparable(metrics(run_dir))
     assert [r["step"] for r in b] == list(range(steps)), "each step logged exactly once"
-    assert a == b
+    assert_same_metrics(a, b)
     wa, wb = final_weights(ref_dir, steps), final_weights(run_dir, steps)
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=atol, rtol=0, msg=k)
 
 
+def trained_items(run_dir, rank: int = 0) -> dict[int, list[str]]:
+    """step -> query ids it trained on; a step rerun after a resume counts once (the last)."""
+    path = os.path.join(run_dir, "rollouts", f"trained_rank{rank}.jsonl")
+    out = {}
+    for line in open(path):
+        rec = json.loads(line)
+        out[rec["step"]] = rec["query_ids"]
+    return out
+
+
 # ----------------------------------------------------------------------------- SFT
 
+SFT_STEPS = 24
+ARITH = ["train_dataset.n_operands=2"]  # 1-digit sums: a few SFT steps give GRPO a signal
 
-SFT_STEPS = 12
 
-
-def sft_cmd(tmp_path, model_dir, trial):
+def sft_cmd(fileroot, model_dir, trial):
     return launcher_cmd(
-        "arith_sft.py", "arith_sft.yaml", tmp_path, trial,
-        [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.size=512",
-         "train_dataset.batch_size=16", "recover.mode=auto", "recover.freq_steps=1",
+        "arith_sft.py", "arith_sft.yaml", fileroot, trial,
+        [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.size=1024",
+         "train_dataset.batch_size=32", *ARITH, "recover.mode=auto", "recover.freq_steps=1",
          "recover.retries=2", "stats_logger.print_every=1"],
     )  # fmt: skip
 
 
-@pytest.mark.integration
-def test_sft_killed_twice_resumes_to_the_same_weights_and_metrics(tmp_path, tiny_model_dir):
-    """A trainer rank SIGKILLed after step 3 is restarted by the launcher (same process
-    tree); then the whole run is SIGKILLed after step 7 and the same command is rerun."""
-    ref_dir, run_dir = tmp_path / "recover" / "ref", tmp_path / "recover" / "killed"
-    log = tmp_path / "ref.log"
-    finish(start(sft_cmd(tmp_path, tiny_model_dir, "ref"), log), log)
+@pytest.fixture(scope="module")
+def sft_reference(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted SFT run (the reference, and the warm start of the GRPO runs)."""
+    root = tmp_path_factory.mktemp("recover")
+    log = root / "sft_ref.log"
+    finish(start(sft_cmd(root, tiny_model_dir, "sft_ref"), log), log)
+    return root / "recover" / "sft_ref"
 
-    log = tmp_path / "killed.log"
+
+@pytest.mark.integration
+def test_sft_killed_twice_resumes_to_the_same_weights_and_metrics(
+    tmp_path, tiny_model_dir, sft_reference
+):
+    """A trainer rank SIGKILLed after step 4 is restarted by the launcher (same process
+    tree); then the whole run is SIGKILLed after step 12 and the same command is rerun."""
+    run_dir, log = tmp_path / "recover" / "killed", tmp_path / "killed.log"
     cmd = sft_cmd(tmp_path, tiny_model_dir, "killed")
     proc = start(cmd, log)
-    wait_for_step(proc, run_dir, 3, log)
+    wait_for_step(proc, run_dir, 4, log)
     for w in trainer_workers(proc.pid, "arith_sft.py"):
         w.send_signal(signal.SIGKILL)
-    wait_for_step(proc, run_dir, 8, log)  # the launcher's retry resumed and went on
+    wait_for_step(proc, run_dir, 12, log)  # the launcher's retry resumed and went on
     kill_tree(proc.pid)
     assert proc.wait() == -signal.SIGKILL
     finish(start(cmd, log), log)
@@ -166,8 +199,330 @@ def test_sft_killed_twice_resumes_to_the_same_weights_and_metrics(tmp_path, tiny
     text = open(log).read()
     assert "trainer exited with code" in text and "attempt 1/3" in text
     assert text.count("resumed from") == 2
-    assert_same_run(ref_dir, run_dir, SFT_STEPS)
+    assert_same_run(sft_reference, run_dir, SFT_STEPS)
     ckpt = run_dir / "recover" / "checkpoint"
     assert json.loads((ckpt / "rank0.json").read_text())["next_step"] == SFT_STEPS
     files = [f for _, _, fs in os.walk(ckpt) for f in fs]
     assert not [f for f in files if f.endswith((".pt", ".pkl", ".bin"))], files
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+GRPO_STEPS = 6
+
+
+def grpo_cmd(fileroot, model_dir, trial, extra=()):
+    return launcher_cmd(
+        "arith_grpo.py", "arith_grpo.yaml", fileroot, trial,
+        [f"actor.path={model_dir}", f"total_train_steps={GRPO_STEPS}", *ARITH,
+         "train_dataset.size=256", "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
+         "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "actor.group_size=4",
+         "gconfig.seed=7", "server.dtype=float32", "actor.fsdp.param_dtype=float32",
+         "valid_dataset.size=8", "valid_dataset.batch_size=8", "recover.mode=auto",
+         "recover.freq_steps=1", "recover.retries=2", *extra],
+    )  # fmt: skip
+
+
+def sft_model(sft_reference) -> str:
+    return str(sft_reference / "checkpoints" / "final" / f"epoch0globalstep{SFT_STEPS}")
+
+
+# eta = 0 is on-policy: PPO's old logprobs are the trainer's own (recomputed), so the server's
+# logprobs, which vary by ~1e-7 with the server's batch composition, never reach a gradient.
+# (With the decoupled loss they do, and any two runs, interrupted or not, agree to ~1e-5.)
+SYNC = [
+    "async_training=false", "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
+    "actor.use_decoupled_loss=false",
+]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_sync_grpo_killed_and_rerun_matches_the_uninterrupted_run(tmp_path, sft_reference):
+    """Seeded sampling (per item, sample and version) makes the rollouts of a rerun step the
+    same tokens, so a killed-and-rerun synchronous GRPO run ends with the same weights and the
+    same per-step metrics (server logprobs up to batch-composition float noise)."""
+    model = sft_model(sft_reference)
+    ref_dir, ref_log = tmp_path / "recover" / "ref", tmp_path / "ref.log"
+    finish(start(grpo_cmd(tmp_path, model, "ref", SYNC), ref_log), ref_log)
+    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+
+    run_dir, log = tmp_path / "recover" / "killed", tmp_path / "killed.log"
+    cmd = grpo_cmd(tmp_path, model, "killed", SYNC)
+    proc = start(cmd, log)
+    wait_for_step(proc, run_dir, 2, log)
+    kill_tree(proc.pid)
+    proc.wait()
+    finish(start(cmd, log), log)
+
+    assert "resumed from" in open(log).read()
+    assert_same_run(ref_dir, run_dir, GRPO_STEPS)
+    assert trained_items(run_dir) == trained_items(ref_dir)
+
+
+def pulled_and_pending(run_dir, per_pull: int) -> tuple[list[str], set[str]]:
+    """From the final recover state: every item the executor pulled (dataloader order) and the
+    ones pulled but not trained on yet (they would be replayed by another resume)."""
+    from arealite.dataset import get_custom_dataset
+    from arealite.utils.recover import ResumableSampler
+
+    ds = get_custom_dataset("arith", type="rl", split="train", size=256, max_digits=1,
+                            n_operands=2)  # fmt: skip
+    order = [ds[i]["query_id"] for i in ResumableSampler(len(ds), True, seed=1)]
+    state = json.loads((run_dir / "recover" / "checkpoint" / "rank0.json").read_text())
+    end = state["dataloader"]["_sampler_iter_state"]["sampler_state"]
+    assert end["epoch"] == 0, "the test stays within one epoch"
+    rollout = state["rollout"]
+    if rollout["position"] is None:
+        return order[: end["offset"]], set()
+    first = rollout["position"]["_sampler_iter_state"]["sampler_state"]["offset"]
+    pending = {
+        order[first + j * per_pull + i]
+        for j, done in enumerate(rollout["done"])
+        for i in range(per_pull)
+        if i not in done
+    }
+    return order[: end["offset"]], pending
+
+
+ASYNC_STEPS, ETA = 10, 1
+
+
+@pytest.mark.integration
+def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
+    tmp_path, sft_reference
+):
+    """Asynchronous rollouts run ahead of the trainer; the run is SIGKILLed with episodes
+    queued, running and finished-but-unconsumed, then rerun. Every pulled item is trained on
+    exactly once or still pending, none is skipped, and staleness stays <= eta after resume."""
+    run_dir, log = tmp_path / "recover" / "async", tmp_path / "async.log"
+    extra = ["async_training=true", f"rollout.max_head_offpolicyness={ETA}",
+             f"total_train_steps={ASYNC_STEPS}", "actor.use_decoupled_loss=true"]  # fmt: skip
+    cmd = grpo_cmd(tmp_path, sft_model(sft_reference), "async", extra)
+    proc = start(cmd, log)
+    wait_for_step(proc, run_dir, 3, log)
+    kill_tree(proc.pid)
+    proc.wait()
+    finish(start(cmd, log), log)
+
+    assert "resumed from" in open(log).read()
+    records = comparable(metrics(run_dir))
+    assert [r["step"] for r in records] == list(range(ASYNC_STEPS))
+    assert max(r["staleness_max"] for r in records) <= ETA
+    assert all(r["n_seqs"] == 4 * 4 for r in records)  # 4 prompts x 4 samples every step
+    trained = trained_items(run_dir)
+    assert sorted(trained) == list(range(ASYNC_STEPS))
+    flat = [q for step in sorted(trained) for q in trained[step]]
+    assert len(flat) == len(set(flat)) == ASYNC_STEPS * 4, "an item was trained twice"
+    pulled, pending = pulled_and_pending(run_dir, per_pull=4)
+    assert not pending & set(flat)
+    assert set(flat) | pending == set(pulled), "an item was skipped"
+
+
+# ----------------------------------------------------------------------------- server faults
+
+
+@pytest.mark.integration
+def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, sft_reference):
+    """2 servers; one is SIGKILLed mid-run. Its requests fail over to the other (resubmitted
+    as prompt + tokens so far), the launcher restarts it, training finishes, and with seeded
+    sampling the result equals a run without the fault: no sample was lost or duplicated."""
+    model = sft_model(sft_reference)
+    steps = ["total_train_steps=10"]
+    ref_dir, ref_log = tmp_path / "recover" / "ref", tmp_path / "ref.log"
+    finish(start(grpo_cmd(tmp_path, model, "ref", [*SYNC, *steps]), ref_log), ref_log)
+
+    run_dir, log = tmp_path / "recover" / "faulty", tmp_path / "faulty.log"
+    two = ["allocation_mode=local.d2p1t1+d1p1t1"]
+    cmd = grpo_cmd(tmp_path, model, "faulty", [*SYNC, *steps, *two])
+    proc = start(cmd, log)
+    wait_for_step(proc, run_dir, 2, log)
+    servers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "arealite.server" in p.cmdline()
+    ]  # fmt: skip
+    assert len(servers) == 2
+    servers[0].send_signal(signal.SIGKILL)
+    finish(proc, log)
+
+    text = open(log).read()
+    assert "server0 died" in text and "restarting it" in text
+    assert "taking inference server" in text  # the client noticed and failed over
+    assert "resumed from" not in text  # the trainer never died
+    assert_same_run(ref_dir, run_dir, 10)
+    assert trained_items(run_dir) == trained_items(ref_dir)
+
+
+@pytest.mark.integration
+def test_a_restarted_server_is_readmitted_with_the_current_weights(
+    tiny_model_dir, tiny_model_dir_v2, tmp_path
+):
+    """The client probes failed servers; one that is healthy again loads the last pushed
+    weights (tagged with their version) before it gets requests again."""
+    import asyncio
+    import shutil
+
+    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
+    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.server.process import launch_server
+
+    weights = str(tmp_path / "weights")
+    shutil.copytree(tiny_model_dir_v2, weights)
+    a = launch_server(tiny_model_dir, dtype="float32")
+    b = launch_server(tiny_model_dir, dtype="float32")
+    engine = RemoteSGLangEngine(InferenceEngineConfig(setup_timeout=120, request_retries=1))
+    try:
+        engine.initialize([a.address, b.address])
+        engine.update_weights(WeightUpdateMeta.from_disk(weights, version=3)).result(timeout=60)
+        b.proc.kill()
+        b.proc.wait()
+        g = GenerationHyperparameters(max_new_tokens=4, greedy=True)
+
+        async def generate(n):
+            reqs = [ModelRequest(rid=f"r{i}", input_ids=[5, 6, 7, i], gconfig=g) for i in range(n)]
+            return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+        assert all(r.output_versions == [3] * 4 for r in asyncio.run(generate(4)))
+        assert list(engine.failed) == [b.address]
+        b = launch_server(tiny_model_dir, port=b.port, dtype="float32")  # the original weights
+        deadline = time.monotonic() + 60
+        while engine.failed and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not engine.failed and engine.stats()["servers_readmitted"] == 1
+        with urllib.request.urlopen(f"{b.url}/get_weight_version", timeout=5) as r:
+            assert json.loads(r.read())["weight_version"] == 3
+        # The same prompt under new request ids, round-robin over a and b: greedy answers
+        # agree only if b really serves the pushed weights (it started with other ones).
+        reqs = [ModelRequest(rid=f"s{i}", input_ids=[5, 6, 7], gconfig=g) for i in range(6)]
+
+        async def same_prompt():
+            return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+        resps = asyncio.run(same_prompt())
+        assert {engine._sticky[r.rid] for r in reqs} == {a.address, b.address}
+        assert all(r.output_versions == [3] * 4 for r in resps)
+        assert len({tuple(r.output_tokens) for r in resps}) == 1
+    finally:
+        engine.destroy()
+        a.stop()
+        b.stop()
+
+
+# ----------------------------------------------------------------------------- reward faults
+
+
+def test_reward_nan_raise_and_garbage_score_zero_and_are_counted():
+    """A reward that is NaN / inf / not a number, or raises, scores 0 with a counted warning
+    (a NaN would poison the advantages of its whole group)."""
+    import asyncio
+
+    import workflow_rewards as rewards
+
+    from arealite.utils.reward_pool import RewardPool
+
+    pool = RewardPool(rewards.echo_row, max_workers=1, timeout=30)
+    targets = [float("nan"), float("inf"), "abc", None, 0.5]
+
+    async def score():
+        return await asyncio.gather(
+            *(pool(prompt="", completions="", prompt_ids=[], completion_ids=[], target=t)
+              for t in targets)
+        )  # fmt: skip
+
+    try:
+        assert asyncio.run(score()) == [0.0, 0.0, 0.0, 0.0, 0.5]
+    finally:
+        pool.close()
+    assert pool.stats == {"calls": 5, "ok": 1, "timeouts": 0, "errors": 4}
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+
+
+CHECKPOINT_SCRIPT = r"""
+import json, os, resource, signal, sys
+from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
+from arealite.api.io_struct import FinetuneSpec
+from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.utils.recover import RecoverError, RecoverHandler
+from arealite.api.cli_args import RecoverConfig
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+model, run_dir = sys.argv[1], sys.argv[2]
+spec = FinetuneSpec(1, 64, 8)
+cfg = TrainEngineConfig(path=model, dtype="float32", optimizer=OptimizerConfig(lr=1e-3))
+engine = FSDPEngine(cfg)
+engine.initialize(None, spec)
+loader = StatefulDataLoader(list(range(64)), batch_size=8)
+it = iter(loader); next(it)
+recover = RecoverHandler(RecoverConfig(mode="auto", freq_steps=1), spec, run_dir)
+recover.dump(engine, loader, None, None, None, 1)
+# A full disk from here on: files may not grow beyond 64 KiB (writes fail with EFBIG).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+_, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+next(it)
+try:
+    recover.dump(engine, loader, None, None, None, 2)
+    error = None
+except RecoverError as e:
+    error = str(e)
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+fresh = FSDPEngine(cfg)
+fresh.initialize(None, spec)
+loader2 = StatefulDataLoader(list(range(64)), batch_size=8)
+start = RecoverHandler(RecoverConfig(mode="auto"), spec, run_dir).load(fresh, loader2, None, None, None)
+print(json.dumps({"error": error, "start": start, "next": next(iter(loader2)).tolist()}))
+"""
+
+
+@pytest.mark.integration
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECKPOINT_SCRIPT, tiny_model_dir, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "WORLD_SIZE": "1", "RANK": "0", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "recover checkpoint for step 2 failed" in out["error"]
+    assert "previous checkpoint" in out["error"] and "is intact" in out["error"]
+    assert out["start"] == 1 and out["next"] == list(range(8, 16))  # step 1's state, intact
+    leftovers = [p for p in os.listdir(tmp_path / "recover") if p != "checkpoint"]
+    assert not leftovers, leftovers
+
+
+def test_dcp_metadata_is_loaded_without_arbitrary_unpickling(tmp_path):
+    """A tampered `.metadata` that would run code on pickle.load is refused."""
+    import pickle
+
+    from arealite.utils.recover import safe_dcp_reader
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(pickle.UnpicklingError, match="may not reference"):
+        safe_dcp_reader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_recover_state_round_trips_rng_and_tensors_through_json():
+    import random
+
+    import numpy as np
+
+    from arealite.utils.recover import from_json, to_json
+    from arealite.utils.save_load import rng_state
+
+    state = {"rng": rng_state(), "t": torch.arange(3, dtype=torch.bfloat16), "x": (1, [2.5])}
+    back = from_json(json.loads(json.dumps(to_json(state))))
+    assert back["rng"]["python"] == random.getstate()
+    np_state = np.random.get_state()
+    assert back["rng"]["numpy"][0] == np_state[0]
+    assert np.array_equal(back["rng"]["numpy"][1], np_state[1])
+    assert torch.equal(back["rng"]["torch"], torch.get_rng_state())
+    assert torch.equal(back["t"], state["t"]) and back["x"] == (1, [2.5])
+    with pytest.raises(TypeError, match="cannot store a object"):
+        to_json({"bad": object()})

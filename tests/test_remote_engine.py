@@ -220,7 +220,8 @@ def test_interrupted_generation_resumes_across_weight_update(tiny_model_dir, tin
 
 def test_sticky_routing_and_failover_when_a_server_dies(tiny_model_dir):
     a, b = launch_many(tiny_model_dir, 2, api_key=API_KEY)
-    engine = make_engine([a.address, b.address], request_retries=1)
+    # setup_timeout also bounds the wait for a server to come back once all have failed.
+    engine = make_engine([a.address, b.address], request_retries=1, setup_timeout=5)
     try:
         g = gen(2)
 

@@ -26,8 +26,14 @@ class GenerationHyperparameters:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Reproducible sampling: the server's draws depend only on the request's seed and the
+    # position (SGLang `sampling_seed`, vLLM `seed`); workflows derive one seed per sample from
+    # this one, the data item and the policy version. None: the servers' own generators.
+    seed: int | None = None
 
     def __post_init__(self):
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"gconfig.seed must be in [0, 2**64) or None, got {self.seed}")
         if self.n_samples < 1:
             raise ValueError(f"gconfig.n_samples must be >= 1, got {self.n_samples}")
         if self.max_new_tokens < 0:
@@ -59,6 +65,7 @@ class GenerationHyperparameters:
             "top_k": 1 if greedy else self.top_k,
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
+            **({} if self.seed is None or greedy else {"sampling_seed": self.seed}),
         }
 
 

@@ -10,6 +10,12 @@ with C = max_concurrent_rollouts, B = consumer_batch_size, eta = max_head_offpol
 engine's current version and W = the trainer's data-parallel size. `accepted` counts every
 accepted episode since the start (consumed or not), so at version v no more than (eta + v + 1)
 batches' worth of episodes have ever been started: a trajectory is at most eta versions stale.
+
+Recovery: `prepare_batch` pulls dataloader batches ahead of the trainer, so at a checkpoint some
+pulled items are queued, running or finished but not yet trained on. `state_dict` records the
+dataloader position before the oldest such batch and which of its items (and of the later
+batches) are done; after `load_state_dict` the executor replays from there, skipping the done
+items: no item is trained twice or skipped.
 """
 
 from __future__ import annotations
@@ -85,6 +91,16 @@ class _Episode:
     should_accept: Callable[[TensorDict], bool] | None
     group: _Group | None = None
     index: int = 0
+    cursor: tuple[int, int] | None = None  # (pulled batch number, index in it): prepare_batch
+
+
+@dataclass
+class _PulledBatch:
+    """A dataloader batch pulled by prepare_batch whose items are not all done yet."""
+
+    position: Any  # dataloader.state_dict() just before it was pulled
+    size: int
+    done: set[int]  # indices trained on (results consumed), rejected or failed
 
 
 class _Group:
@@ -117,7 +133,7 @@ class WorkflowExecutor:
         self.world_size = 1
         self.stat = RolloutStat()
         self._input: queue.Queue[_Episode] = queue.Queue(maxsize=self.queue_size)
-        self._results: deque[TensorDict] = deque()
+        self._results: deque[tuple[TensorDict, _Episode]] = deque()
         self._errors: deque[RolloutError] = deque()
         self._cond = threading.Condition()
         self._tasks: set[asyncio.Task] = set()
@@ -129,6 +145,12 @@ class WorkflowExecutor:
         self._loop_error: BaseException | None = None
         self._data_iter: Any = None
         self._dataloader: Any = None
+        self._pulled: dict[int, _PulledBatch] = {}  # by batch number, oldest first
+        self._n_pulled = 0
+        self._replay: dict[str, Any] | None = None  # from load_state_dict, used at next pull
+        self._replay_done: list[set[int]] = []  # done indices of the batches being replayed
+        # Data items of the episodes the last wait() / rollout_batch() returned, in order.
+        self.last_batch_data: list[Any] = []
         self._shutdown_hooks: list[Callable[[], Awaitable[Any]]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -259,7 +281,11 @@ class WorkflowExecutor:
                 if self._errors:
                     raise self._errors.popleft()
                 if len(self._results) >= count:
-                    out = [self._results.popleft() for _ in range(count)]
+                    taken = [self._results.popleft() for _ in range(count)]
+                    for _, ep in taken:
+                        self._mark_done(ep)
+                    out = [r for r, _ in taken]
+                    self.last_batch_data = [ep.data for _, ep in taken]
                     break
                 self._raise_if_stopped()
                 remaining = POLL_S if deadline is None else deadline - time.monotonic()
@@ -313,6 +339,7 @@ class WorkflowExecutor:
                     break
                 self._raise_if_stopped()
                 self._cond.wait(POLL_S)
+        self.last_batch_data = [d for d, r in zip(items, group.results) if r is not None]
         return concat_padded_tensors([r for r in group.results if r is not None])
 
     def prepare_batch(
@@ -333,29 +360,62 @@ class WorkflowExecutor:
                 f"(2 x {batch_size})"
             )
         while True:
-            if self._input.qsize() < batch_size:
-                for item in self._next_batch(dataloader):
-                    self.submit(item, workflow, should_accept)
+            while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
+                for cursor, item in self._next_batch(dataloader):
+                    self._submit(_Episode(item, workflow, should_accept, cursor=cursor))
             try:
                 return self.wait(batch_size, timeout=POLL_S)
             except TimeoutError:
                 continue
 
-    def _next_batch(self, dataloader: Any) -> list[dict[str, Any]]:
-        if self._dataloader is not dataloader:
+    def _next_batch(self, dataloader: Any) -> list[tuple[tuple[int, int], dict[str, Any]]]:
+        """The next dataloader batch as (cursor, item) pairs, without the items a restored
+        state marks done (an empty list when all of a replayed batch is done)."""
+        if self._replay is not None:
+            self._start_replay(dataloader)
+        elif self._dataloader is not dataloader:
             self._dataloader, self._data_iter = dataloader, iter(dataloader)
+        position = _position(dataloader)
         try:
             batch = next(self._data_iter)
         except StopIteration:
             self._data_iter = iter(dataloader)
+            position = _position(dataloader)
             try:
                 batch = next(self._data_iter)
             except StopIteration:
                 raise ValueError("prepare_batch: the dataloader yields no data") from None
         if isinstance(batch, dict):  # default collate: dict of columns -> rows
             n = len(next(iter(batch.values())))
-            return [{k: v[i] for k, v in batch.items()} for i in range(n)]
-        return list(batch)
+            rows = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+        else:
+            rows = list(batch)
+        done = self._replay_done.pop(0) if self._replay_done else set()
+        number = self._n_pulled
+        self._n_pulled += 1
+        with self._cond:
+            if len(done) < len(rows):
+                self._pulled[number] = _PulledBatch(position, len(rows), set(done))
+        return [((number, i), row) for i, row in enumerate(rows) if i not in done]
+
+    def _start_replay(self, dataloader: Any) -> None:
+        """Rewind the dataloader to the oldest batch that was not fully done at the checkpoint."""
+        replay, self._replay = self._replay, None
+        if replay["position"] is not None:
+            dataloader.load_state_dict(replay["position"])
+        self._dataloader, self._data_iter = dataloader, iter(dataloader)
+        self._replay_done = [set(d) for d in replay["done"]]
+
+    def _mark_done(self, ep: _Episode) -> None:
+        """Under self._cond: the item of `ep` needs no replay after a restart."""
+        if ep.cursor is None:
+            return
+        number, index = ep.cursor
+        pulled = self._pulled.get(number)
+        if pulled is not None:
+            pulled.done.add(index)
+            if len(pulled.done) == pulled.size:
+                del self._pulled[number]
 
     # ------------------------------------------------------------------ control and state
 
@@ -381,22 +441,31 @@ class WorkflowExecutor:
             out["ready"] = len(self._results)
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        """What recovery must restore so the staleness bound continues where it stopped."""
+    def state_dict(self) -> dict[str, Any]:
+        """What recovery must restore: the staleness counters as if the episodes not yet
+        consumed had never started (they are replayed), and where prepare_batch's replay
+        starts (`position`: None = the dataloader's own state) with the done items after it."""
         with self._cond:
             s = self.stat
+            pending = sum(b.size - len(b.done) for b in self._pulled.values())
+            oldest = next(iter(self._pulled.values()), None)
             return {
-                "submitted": s.submitted,
-                "accepted": s.accepted,
+                "submitted": s.submitted - pending,
+                "accepted": s.accepted - len(self._results),
                 "rejected": s.rejected,
                 "failed": s.failed,
+                "position": None if oldest is None else oldest.position,
+                "done": [sorted(b.done) for b in self._pulled.values()],
             }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore counters; episodes that were running at save time are lost (running = 0)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and the replay of pulled-but-unconsumed items (episodes running
+        at save time are lost; running = 0). Call before the first prepare_batch."""
         with self._cond:
             for k in ("submitted", "accepted", "rejected", "failed"):
                 setattr(self.stat, k, int(state.get(k, 0)))
+            if state.get("position") is not None or state.get("done"):
+                self._replay = {"position": state.get("position"), "done": state["done"]}
         self.notify()
 
     # ------------------------------------------------------------------ the loop thread
@@ -486,6 +555,7 @@ class WorkflowExecutor:
                 self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
             elif result is None:
                 self.stat.rejected += 1
+                self._mark_done(ep)
                 if ep.group is not None:
                     ep.group.done += 1
             else:
@@ -494,14 +564,21 @@ class WorkflowExecutor:
                     ep.group.results[ep.index] = result
                     ep.group.done += 1
                 else:
-                    self._results.append(result)
+                    self._results.append((result, ep))
             self._cond.notify_all()
         self._wakeup.set()  # a slot is free
 
     def _record_error(self, ep: _Episode, err: RolloutError) -> None:
         logger.error("%s", err, exc_info=err.__cause__)
+        self._mark_done(ep)
         if ep.group is not None:
             ep.group.done += 1
             ep.group.error = ep.group.error or err
         else:
             self._errors.append(err)
+
+
+def _position(dataloader: Any) -> Any:
+    """The dataloader's resumable position (StatefulDataLoader), or None."""
+    state_dict = getattr(dataloader, "state_dict", None)
+    return state_dict() if callable(state_dict) else None

@@ -301,8 +301,10 @@ def _servers_world_size() -> int:
             f"nccl weight update: set meta.nccl_world_size or ${SERVER_ADDRS_ENV} (the group "
             "is trainer rank 0 plus every server's tensor-parallel ranks)"
         )
+    key = os.environ.get("AREAL_SERVER_API_KEY")  # set by the launchers (embedded servers)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     tp = []
     for a in addrs:
-        r = requests.get(f"http://{a.strip()}/get_server_info", timeout=30)
+        r = requests.get(f"http://{a.strip()}/get_server_info", timeout=30, headers=headers)
         tp.append(int(r.json().get("tp_size", 1)) if r.ok else 1)
     return 1 + sum(tp)

@@ -2,7 +2,8 @@
 
 What every remote backend needs lives here: server discovery and health checks, one aiohttp
 session on the rollout loop, per-request timeout and retries, round-robin routing with a sticky
-server per request id, fail-over when a server dies, interruptible generation (an aborted
+server per request id, fail-over when a server dies (and re-admission once it is healthy again,
+after it loaded the current weights), interruptible generation (an aborted
 request is resubmitted as prompt + tokens so far with the remaining budget once the pause
 lifts), and the pause -> load -> continue choreography of weight updates.
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("arealite.remote")
 
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+SERVER_API_KEY_ENV = "AREAL_SERVER_API_KEY"
 _STICKY_CAPACITY = 16384  # remembered rid -> server entries (LRU)
 COUNTER_KEYS = (
     "generate_calls",  # HTTP generate calls (a resumed request makes several)
@@ -46,8 +48,10 @@ COUNTER_KEYS = (
     "failovers",  # requests moved to another server
     "http_retries",
     "servers_removed",
+    "servers_readmitted",
     "weight_updates",
 )
+READMIT_INTERVAL_S = 2.0  # how often failed servers are probed for re-admission
 
 
 class ServerUnavailable(ConnectionError):
@@ -127,6 +131,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._gen_allowed: asyncio.Event | None = None  # cleared while weights are swapped
         self._update_lock: asyncio.Lock | None = None
         self._nccl_group: tuple | None = None
+        self._last_weights: WeightUpdateMeta | None = None  # what a re-admitted server loads
 
     # ============================================================ server-specific hooks
 
@@ -219,6 +224,52 @@ class RemoteInferenceEngine(InferenceEngine):
                 f"{len(bad)} of {len(self.addresses)} inference server(s) not healthy after "
                 f"setup_timeout={self.config.setup_timeout}s: {detail}"
             )
+        asyncio.ensure_future(self._readmit_loop())  # cancelled with the loop's other tasks
+
+    async def _readmit_loop(self) -> None:
+        """Probe failed servers (a launcher may have restarted them) and bring back the healthy
+        ones."""
+        while True:
+            await asyncio.sleep(READMIT_INTERVAL_S)
+            for addr in list(self.failed):
+                try:
+                    await self._try_readmit(addr)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # still broken: stays out, probed again later
+                    logger.info("inference server %s not re-admitted yet: %s", addr, e)
+
+    async def _try_readmit(self, addr: str) -> None:
+        """Healthy again -> load the weights last pushed (tagged with their version) and match
+        the others' pause state, then return to rotation. Under the update lock, so no weight
+        update runs meanwhile and the server can never serve an older version."""
+        try:
+            await self._http(addr, "GET", self.health_path, timeout=5.0)
+        except (ServerUnavailable, ServerError):
+            return
+        assert self._update_lock is not None and self._gen_allowed is not None
+        async with self._update_lock:
+            if addr not in self.failed:
+                return
+            meta = self._last_weights
+            if meta is not None and meta.type != "disk":
+                logger.warning(
+                    "inference server %s is healthy again but cannot rejoin: its weights can only "
+                    "be restored from disk, and the last update was %s", addr, meta.type
+                )  # fmt: skip
+                return
+            if meta is not None:
+                await self.update_server_from_disk(addr, meta)
+            if self._gen_allowed.is_set():
+                await self.continue_server(addr)
+            else:  # generation is paused on the others (pause_generation): pause it too
+                await self.pause_server(addr)
+            why = self.failed.pop(addr)
+            self.counters["servers_readmitted"] += 1
+            logger.warning(
+                "inference server %s back in rotation with weights v%d (it had failed: %s)",
+                addr, self._weight_version, why,
+            )  # fmt: skip
 
     async def _wait_healthy(self, addr: str, deadline: float) -> str | None:
         """None once GET health_path answers 200, else the last error at the deadline."""
@@ -265,9 +316,9 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = (
-                {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-            )
+            # A launcher hands the embedded servers' key to trainers through the environment.
+            key = self.config.api_key or os.environ.get(SERVER_API_KEY_ENV)
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
             # limit=0: the servers do their own batching; queueing here would only add latency.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), headers=headers
@@ -339,6 +390,18 @@ class RemoteInferenceEngine(InferenceEngine):
             self._sticky.popitem(last=False)
         return addr
 
+    async def _choose_server_or_wait(self, rid: str) -> str:
+        """With every server down, wait up to setup_timeout for one to be re-admitted (a
+        launcher restarts dead servers) before giving up."""
+        deadline = time.monotonic() + self.config.setup_timeout
+        while True:
+            try:
+                return self._choose_server(rid)
+            except NoServerAvailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.5)
+
     def _no_server_error(self) -> NoServerAvailable:
         detail = "; ".join(f"{a}: {why}" for a, why in self.failed.items())
         return NoServerAvailable(f"all {len(self.addresses)} inference server(s) failed: {detail}")
@@ -357,7 +420,7 @@ class RemoteInferenceEngine(InferenceEngine):
     async def _request_with_failover(self, rid: str, path: str, payload: Any) -> tuple[Any, str]:
         """POST to the request's server; when it is unavailable, to the next live one."""
         while True:
-            addr = self._choose_server(rid)
+            addr = await self._choose_server_or_wait(rid)
             try:
                 return await self._http_with_retries(addr, "POST", path, payload), addr
             except ServerUnavailable as e:
@@ -471,6 +534,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 else:
                     await self._update_weights_nccl(meta)
                 self._weight_version = meta.version
+                self._last_weights = meta
             finally:
                 try:
                     await self._on_servers("continue_generation", self.continue_server)

@@ -122,6 +122,8 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
             "n": 1,
             "detokenize": False,  # token ids out; text would only cost server CPU
         }
+        if g.seed is not None and not greedy:
+            params["seed"] = g.seed
         # A fresh id per call: a resubmission must not collide with the aborted call it follows.
         rid = f"{req.rid}-{uuid.uuid4().hex[:8]}"
         return GENERATE_PATH, {"request_id": rid, "token_ids": input_ids, "sampling_params": params}

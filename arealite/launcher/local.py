@@ -21,7 +21,12 @@ import sys
 from arealite.api.cli_args import ConfigError, to_yaml
 from arealite.launcher.preflight import check_resources, load_and_check
 from arealite.launcher.process import LaunchError, ProcessSet, install_signal_handlers, log_tail
-from arealite.launcher.servers import SERVER_ADDRS_ENV, plan_servers, wait_healthy
+from arealite.launcher.servers import (
+    SERVER_ADDRS_ENV,
+    plan_servers,
+    share_server_api_key,
+    wait_healthy,
+)
 from arealite.utils.network import find_free_port, find_free_ports
 
 logger = logging.getLogger("arealite.launcher")
@@ -85,13 +90,27 @@ def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
     return env
 
 
+MAX_SERVER_RESTARTS = 5  # per server: one that keeps dying stays down (the others serve)
+
+
 def restart_dead_server(procs: ProcessSet, config):
-    """Restart a server that died, on the same port; the client re-admits it once healthy."""
+    """Restart a server that died, same command, environment and port; the trainer's client
+    fails over meanwhile and re-admits it once it is healthy and has loaded the current
+    weights."""
+    restarts: dict[str, int] = {}
 
     def on_death(child):
-        logger.warning("%s died (code %s); restarting it", child.name, child.popen.returncode)
-        cmd = child.popen.args
-        procs.start(child.name, list(cmd), critical=False)
+        n = restarts.get(child.name, 0)
+        if n == MAX_SERVER_RESTARTS:
+            restarts[child.name] = n + 1
+            logger.error("%s died %d times; leaving it down (log: %s)", child.name, n + 1,
+                         child.log_path)  # fmt: skip
+        if n >= MAX_SERVER_RESTARTS:
+            return
+        restarts[child.name] = n + 1
+        logger.warning("%s died (code %s); restarting it (restart %d/%d)", child.name,
+                       child.popen.returncode, n + 1, MAX_SERVER_RESTARTS)  # fmt: skip
+        procs.start(child.name, child.cmd, child.env, critical=False)
 
     return on_death
 
@@ -112,6 +131,7 @@ def run(argv: list[str]) -> int:
     script, script_args, config = load_and_check(argv)
     n_gpus = visible_gpu_count() if config.cluster.n_gpus_per_node else 0
     check_resources(config, n_gpus if config.cluster.n_gpus_per_node else None)
+    share_server_api_key(config)
     log_dir = os.path.join(config.run_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(config.run_dir, "config.yaml"), "w") as f:

@@ -34,6 +34,8 @@ class Child:
     log_path: str
     critical: bool = True
     threads: list[threading.Thread] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)  # as started (to restart it the same way)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment it was started with
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -74,7 +76,7 @@ class ProcessSet:
         popen = subprocess.Popen(
             cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        child = Child(name, popen, log_path, critical)
+        child = Child(name, popen, log_path, critical, cmd=list(cmd), env=dict(env or {}))
         if stream:
             t = threading.Thread(target=_tee, args=(popen.stdout, log_file, ""), daemon=True)
             t.start()

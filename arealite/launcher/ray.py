@@ -28,7 +28,7 @@ from arealite.api.cli_args import ConfigError, to_yaml
 from arealite.launcher.local import trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
 from arealite.launcher.process import LaunchError, LogFollower, install_signal_handlers, log_tail
-from arealite.launcher.servers import server_command, wait_healthy
+from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
 
@@ -359,6 +359,7 @@ class RayRun:
 def run(argv: list[str]) -> int:
     script, script_args, config = load_and_check(argv)
     plan = plan_cluster(config)
+    share_server_api_key(config)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, not "repeated 2x"
     ray = import_ray()
     os.makedirs(os.path.join(config.run_dir, "logs"), exist_ok=True)

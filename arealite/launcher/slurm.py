@@ -36,7 +36,7 @@ from arealite.api.cli_args import ConfigError, NameResolveConfig, to_yaml
 from arealite.launcher.local import failed_ranks_summary, trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
 from arealite.launcher.process import LaunchError, LogFollower, install_signal_handlers, log_tail
-from arealite.launcher.servers import server_command, wait_healthy
+from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
 
@@ -312,6 +312,7 @@ class SlurmRun:
 def run(argv: list[str]) -> int:
     script, script_args, config = load_and_check(argv)
     plan = plan_cluster(config)
+    share_server_api_key(config)
     missing = [c for c in ("sbatch", "squeue", "scancel", "scontrol") if shutil.which(c) is None]
     if missing:
         raise LaunchError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import socket
 import sys
 
 READY_MARKER = "arealite server ready"
+API_KEY_ENV = "AREAL_SERVER_API_KEY"  # how launchers hand the key to servers and trainers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
     )
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' (not on /health); default ${API_KEY_ENV}",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
     p.add_argument(
@@ -62,7 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not os.path.isdir(args.model_path):
         p.error(f"--model-path {args.model_path} is not a directory")
+    if not args.api_key and not _is_loopback(args.host):
+        p.error(
+            f"--host {args.host} accepts connections from other machines, which could then "
+            f"generate, load weights and pause the server: set --api-key (or ${API_KEY_ENV}), "
+            "or bind 127.0.0.1"
+        )
     return args
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve to anything
+        return False
 
 
 async def _serve(app, args, scheduler) -> None:

@@ -201,8 +201,11 @@ class ModelRunner:
             batch.sampling = SamplingTensors.build(
                 [s.req.params for s in batch.seqs], logits.shape[-1], self.device
             )
+        positions = None
+        if batch.sampling.any_seeded:  # seeded draws depend on the position being sampled
+            positions = [len(s.req.input_ids) + len(s.output_ids) for s in batch.seqs]
         tokens, logprobs = sample_next_tokens(
-            logits, batch.sampling, self.generator, self._banned(batch.seqs, logits)
+            logits, batch.sampling, self.generator, self._banned(batch.seqs, logits), positions
         )
         batch.last_tokens = tokens
         for s, t, lp in zip(batch.seqs, tokens.tolist(), logprobs.tolist()):

@@ -7,6 +7,7 @@ Validation lives apart from the HTTP layer so that every malformed request becom
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ _NEUTRAL_SAMPLING = {
     "regex": (),
     "ebnf": (),
 }
-_IGNORED_SAMPLING = {"no_stop_trim", "spaces_between_special_tokens", "sampling_seed"}
+_IGNORED_SAMPLING = {"no_stop_trim", "spaces_between_special_tokens"}
 _NEUTRAL_TOP = {
     "stream": (False,),
     "top_logprobs_num": (0,),
@@ -55,6 +56,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # SGLang's `sampling_seed`: the draw at each position depends only on (seed, position), so
+    # the same request (or its resubmission after an abort) samples the same tokens whatever
+    # else shares the batch. None: the server's own generator.
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +96,8 @@ def decode_json_body(body: bytes) -> Any:
         raise BadRequest(
             f"body: not valid JSON ({e.msg} at line {e.lineno} col {e.colno})"
         ) from None
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
 
 
 def require_object(value: Any, name: str = "body") -> dict:
@@ -120,9 +127,13 @@ def _float(d: dict, key: str, default: float, *, prefix: str = "") -> float:
     v = d.get(key)
     if v is None:
         return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-        raise BadRequest(f"{prefix}{key}: expected a number, got {json.dumps(v)[:40]}")
-    return float(v)
+    try:
+        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer beyond float range
+        f = math.inf
+    if not math.isfinite(f):
+        raise BadRequest(f"{prefix}{key}: expected a finite number, got {json.dumps(v)[:40]}")
+    return f
 
 
 def _bool(d: dict, key: str, default: bool, *, prefix: str = "") -> bool:
@@ -175,6 +186,7 @@ _SAMPLING_KEYS = {
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "sampling_seed",
 }
 _TOP_KEYS = {"rid", "input_ids", "sampling_params", "return_logprob", "image_data"}
 
@@ -223,7 +235,17 @@ def parse_sampling_params(
         stop_token_ids=stop_ids,
         ignore_eos=_bool(sp, "ignore_eos", False, prefix=p),
         skip_special_tokens=_bool(sp, "skip_special_tokens", True, prefix=p),
+        seed=_seed(sp, p),
     )
+
+
+def _seed(sp: dict, prefix: str) -> int | None:
+    if sp.get("sampling_seed") is None:
+        return None
+    seed = _int(sp, "sampling_seed", 0, low=0, prefix=prefix)
+    if seed >= 1 << 64:
+        raise BadRequest(f"{prefix}sampling_seed: must be < 2**64, got {seed}")
+    return seed
 
 
 def parse_image_data(value: Any, accepts_images: bool) -> list[str]:

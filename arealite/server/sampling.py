@@ -26,6 +26,11 @@ class SamplingTensors:
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    seeds: tuple[int | None, ...] = ()  # per-row sampling_seed (None: the shared generator)
+
+    @property
+    def any_seeded(self) -> bool:
+        return any(s is not None for s in self.seeds)
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device) -> SamplingTensors:
@@ -43,6 +48,7 @@ class SamplingTensors:
             any_greedy=any(greedy),
             any_top_k=any(k < vocab for k, g in zip(top_k, greedy) if not g),
             any_top_p=any(p < 1.0 for p, g in zip(top_p, greedy) if not g),
+            seeds=tuple(None if g else p.seed for p, g in zip(params, greedy)),
         )
 
 
@@ -64,11 +70,13 @@ def sample_next_tokens(
     st: SamplingTensors,
     generator: torch.Generator | None = None,
     banned: torch.Tensor | None = None,
+    positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] long, logprobs [B] float32).
 
     `banned` [B, V] bool marks tokens that must not be drawn this step (stop tokens before
-    min_new_tokens); it does not change the reported logprobs.
+    min_new_tokens); it does not change the reported logprobs. `positions` [B] (the position
+    of the token being drawn in each row) is required when some row has a seed.
     """
     scaled = logits.float() / st.temperature[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
@@ -81,7 +89,32 @@ def sample_next_tokens(
         probs = candidates.softmax(dim=-1)
         # Exponential race (Gumbel-max equivalent): one kernel, no renormalisation needed.
         noise = torch.empty_like(probs).exponential_(generator=generator)
+        if st.any_seeded:
+            _seeded_noise(noise, st.seeds, positions)
         tokens = (probs / noise).argmax(dim=-1)
         if st.any_greedy:
             tokens = torch.where(st.greedy, scaled.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): unrelated streams for neighbouring seeds / positions."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _seeded_noise(noise: torch.Tensor, seeds, positions: list[int] | None) -> None:
+    """Overwrite seeded rows with exponential noise drawn from (seed, position) alone (on the
+    CPU, so the draw is the same on any device)."""
+    if positions is None:
+        raise ValueError("sample_next_tokens: rows with a seed need their positions")
+    for i, (seed, pos) in enumerate(zip(seeds, positions)):
+        if seed is not None:
+            g = torch.Generator().manual_seed(_mix(seed, pos))
+            row = torch.empty(noise.shape[-1], dtype=noise.dtype).exponential_(generator=g)
+            noise[i] = row.to(noise.device)

@@ -84,6 +84,41 @@ def read_json(path: str) -> Any:
         return from_json(json.load(f))
 
 
+# ----------------------------------------------------------------------------- data order
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """Visits `range(n)` once per epoch, shuffled by a permutation drawn from (seed, epoch)
+    alone; (epoch, offset) is its state. A StatefulDataLoader built on it and restored mid-epoch
+    continues the same order, later epochs included (torch's RandomSampler carries a generator
+    whose state a restore does not reproduce, so the epochs after a resume would differ)."""
+
+    def __init__(self, n: int, shuffle: bool = True, seed: int = 0):
+        super().__init__()
+        self.n, self.shuffle, self.seed = n, shuffle, seed
+        self.epoch = self.offset = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        while self.offset < self.n:
+            self.offset += 1
+            yield order[self.offset - 1]
+        self.epoch, self.offset = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
 # ----------------------------------------------------------------------------- pickle-free DCP
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -167,19 +202,23 @@ class RecoverHandler:
         return os.path.join(root, f"rank{du.rank() if rank is None else rank}.json")
 
     def dump(self, engine, dataloader, rollout, saver, evaluator, next_step: int,
-             force: bool = False) -> bool:  # fmt: skip
+             force: bool = False, extra: dict[str, Any] | None = None) -> bool:  # fmt: skip
         """After a finished (and logged) step: write a checkpoint if due. Collective over
-        trainer ranks. On failure (e.g. a full disk) every rank raises RecoverError and the
-        previous checkpoint is left as it was."""
+        trainer ranks. `extra`: more objects with state_dict / load_state_dict (e.g. a
+        workflow's cumulative counters), by name. On failure (e.g. a full disk) every rank
+        raises RecoverError and the previous checkpoint is left as it was."""
         if not self.enabled:
             return False
         end_of_epoch = next_step % self.ft_spec.steps_per_epoch == 0
         if not (self.freq_ctl.check(epochs=int(end_of_epoch), steps=1) or force):
             return False
         staged = tmp_sibling(self.path, "staging")
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         try:
-            self._write(staged, engine, dataloader, rollout, saver, evaluator, next_step)
-        except Exception as e:
+            objs = (engine, dataloader, rollout, saver, evaluator, extra or {})
+            self._write(staged, *objs, next_step)
+        except (Exception, CheckpointException) as e:
             if du.is_main():
                 shutil.rmtree(staged, ignore_errors=True)
             raise RecoverError(
@@ -189,7 +228,7 @@ class RecoverHandler:
         logger.info("recover checkpoint written for step %d: %s", next_step, self.path)
         return True
 
-    def _write(self, staged, engine, dataloader, rollout, saver, evaluator, next_step) -> None:
+    def _write(self, staged, engine, dataloader, rollout, saver, evaluator, extra, next_step):
         error = None
         if du.is_main():
             try:
@@ -212,6 +251,7 @@ class RecoverHandler:
             "saver": saver.state_dict() if saver is not None else None,
             "evaluator": evaluator.state_dict() if evaluator is not None else None,
             "recover": self.freq_ctl.state_dict(),
+            "extra": {name: obj.state_dict() for name, obj in extra.items()},
         }
         error = None
         try:
@@ -227,8 +267,10 @@ class RecoverHandler:
                 error = e
         du.raise_if_any_rank_failed(error)
 
-    def load(self, engine, dataloader, rollout, saver, evaluator) -> int:
-        """Restore the newest checkpoint (per `mode`); returns the step to start from (0 = fresh)."""
+    def load(self, engine, dataloader, rollout, saver, evaluator,
+             extra: dict[str, Any] | None = None) -> int:  # fmt: skip
+        """Restore the newest checkpoint (per `mode`); returns the step to start from (0 = fresh).
+        `extra` names the same objects `dump` was given."""
         if not self.enabled:
             return 0
         if not os.path.exists(self._state_path(self.path, 0)):
@@ -252,6 +294,10 @@ class RecoverHandler:
         if evaluator is not None and state["evaluator"] is not None:
             evaluator.load_state_dict(state["evaluator"])
         self.freq_ctl.load_state_dict(state["recover"])
+        for name, obj in (extra or {}).items():
+            if name not in state["extra"]:
+                raise RecoverError(f"recover checkpoint {self.path} has no state for {name!r}")
+            obj.load_state_dict(state["extra"][name])
         engine.set_version(state["next_step"])
         logger.info("resumed from %s at step %d", self.path, state["next_step"])
         return state["next_step"]

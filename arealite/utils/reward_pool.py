@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import multiprocessing
 import pickle
 import threading
@@ -83,8 +84,8 @@ def _kill_all(gens: list[_Generation]) -> None:
 
 class RewardPool:
     """`await pool(*args, **kwargs)` runs `reward_fn(*args, **kwargs)` in a worker process and
-    returns a float; a timeout or an exception returns `default` (0.0) and is counted in
-    `stats` and logged."""
+    returns a float; a timeout, an exception or a non-finite value (NaN, inf, not a number)
+    returns `default` (0.0) and is counted in `stats` (timeouts / errors) and logged."""
 
     def __init__(
         self,
@@ -147,6 +148,8 @@ class RewardPool:
         try:
             value = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
             value = float(value)
+            if not math.isfinite(value):  # NaN / inf would poison the advantages of the group
+                raise ValueError(f"returned a non-finite reward {value}")
         except asyncio.TimeoutError:
             self.stats["timeouts"] += 1
             logger.warning(

@@ -7,6 +7,7 @@ trajectory is built from exactly those ids, so the trainer sees what the sampler
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import uuid
@@ -40,6 +41,16 @@ def chat_prompt_ids(tokenizer: Any, data: dict[str, Any], enable_thinking: bool)
         enable_thinking=enable_thinking,
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def sample_seed(base: int, data: dict[str, Any], prompt_ids: list[int], index: int, version: int):
+    """The sampling seed of sample `index` of a data item: a re-run of the same item at the
+    same policy version (a resumed run) draws the same tokens; other items, samples and
+    versions draw independently. Items are known by `query_id`, else by their prompt."""
+    qid = data.get("query_id")
+    key = qid if isinstance(qid, str) else prompt_ids
+    digest = hashlib.blake2b(json.dumps([base, key, index, version]).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") >> 1  # < 2**63: fits every server's seed
 
 
 def reward_row(data: dict[str, Any]) -> dict[str, Any]:
@@ -107,16 +118,27 @@ class RLVRWorkflow(RolloutWorkflow):
         """calls / ok / timeouts / errors of the reward function so far."""
         return dict(self.reward_pool.stats)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Cumulative counters a resumed run continues from (see RecoverHandler's `extra`)."""
+        return {"reward_stats": self.reward_stats}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reward_pool.stats.update({k: int(v) for k, v in state["reward_stats"].items()})
+
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict:
         prompt_ids = chat_prompt_ids(self.tokenizer, data, self.enable_thinking)
         version = engine.get_version()
         g = self.gconfig.new(n_samples=1)
+        gs = [
+            g if g.seed is None else g.new(seed=sample_seed(g.seed, data, prompt_ids, i, version))
+            for i in range(self.gconfig.n_samples)
+        ]
         resps: list[ModelResponse] = await asyncio.gather(
             *(
                 engine.agenerate(
-                    ModelRequest(rid=uuid.uuid4().hex, input_ids=prompt_ids, gconfig=g)
+                    ModelRequest(rid=uuid.uuid4().hex, input_ids=prompt_ids, gconfig=gi)
                 )
-                for _ in range(self.gconfig.n_samples)
+                for gi in gs
             )
         )
         prompt = self.tokenizer.decode(prompt_ids)
@@ -150,15 +172,16 @@ class RLVRWorkflow(RolloutWorkflow):
                 )
             )
         if self.dump_dir:
-            self._dump(version, prompt, completions, resps, rewards)
+            self._dump(version, prompt, completions, resps, rewards, data.get("query_id"))
         return pad_sequences_to_tensors(rows)
 
-    def _dump(self, version, prompt, completions, resps, rewards) -> None:
+    def _dump(self, version, prompt, completions, resps, rewards, query_id=None) -> None:
         """Append the episode to <dump_dir>/rollouts_v<version>.jsonl for inspection."""
         path = os.path.join(self.dump_dir, f"rollouts_v{version}.jsonl")
         with open(path, "a") as f:
             for c, r, rw in zip(completions, resps, rewards):
                 rec = {
+                    "query_id": query_id,
                     "version": version,
                     "prompt": prompt,
                     "completion": c,
