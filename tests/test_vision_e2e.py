@@ -5,7 +5,11 @@ logprobs, a disk weight update reaching the server; then SFT and GRPO through th
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -67,13 +71,12 @@ def actor(tiny_vlm_dir):
     e.destroy()
 
 
-def episodes(rollout, processor, rows, max_new_tokens=6):
-    g = GenerationHyperparameters(n_samples=SAMPLES, max_new_tokens=max_new_tokens)
+@pytest.fixture(scope="module")
+def workflow(processor):
+    g = GenerationHyperparameters(n_samples=SAMPLES, max_new_tokens=6)
     wf = VisionRLVRWorkflow(clevr_count_reward_fn, g, processor, reward_workers=1)
-    try:
-        return rollout.rollout_batch(rows, wf)
-    finally:
-        wf.close()
+    yield wf
+    wf.close()
 
 
 def behaviour_gap(actor, batch) -> float:
@@ -83,8 +86,10 @@ def behaviour_gap(actor, batch) -> float:
     return (lp - batch["logprobs"]).abs()[mask].max().item()
 
 
-def test_episodes_carry_images_and_trainer_matches_server_logprobs(rollout, processor, rows, actor):
-    batch = episodes(rollout, processor, rows)
+def test_episodes_carry_images_and_trainer_matches_server_logprobs(
+    rollout, workflow, processor, rows, actor
+):
+    batch = rollout.rollout_batch(rows, workflow)
     assert batch.batch_size[0] == 2 * SAMPLES
     items = non_tensor_list(batch, MM_KEY)
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -95,12 +100,12 @@ def test_episodes_carry_images_and_trainer_matches_server_logprobs(rollout, proc
     assert behaviour_gap(actor, batch) < 1e-3
 
 
-def test_disk_weight_update_reaches_the_server(rollout, processor, rows, actor, tmp_path):
+def test_disk_weight_update_reaches_the_server(rollout, workflow, rows, actor, tmp_path):
     """Train one step, push through an HF checkpoint on disk: the server then samples with the
     trained weights (its logprobs equal the trainer's again, and differ from the old ones)."""
     from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
 
-    batch = episodes(rollout, processor, rows)
+    batch = rollout.rollout_batch(rows, workflow)
     before = actor.compute_logprobs(batch)
     for _ in range(3):
         actor.train_batch(batch, sft_loss_fn, sft_loss_weight)
@@ -113,6 +118,73 @@ def test_disk_weight_update_reaches_the_server(rollout, processor, rows, actor, 
     rollout.update_weights(meta).result()
     rollout.set_version(1)
     rollout.resume()
-    new = episodes(rollout, processor, rows)
+    new = rollout.rollout_batch(rows, workflow)
     assert set(new["versions"][new["loss_mask"].bool()].tolist()) == {1}
     assert behaviour_gap(actor, new) < 1e-3
+
+
+# --------------------------------------------------------------------------- launcher runs
+
+
+def launch(script: str, config: str, overrides: list[str], timeout: float = 300) -> None:
+    cmd = [
+        sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, script),
+        "--config", os.path.join(EXAMPLES, "configs", config), *overrides,
+    ]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, (
+        f"launcher exited with {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}"
+    )
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, tiny_vlm_dir):
+    root = str(tmp_path_factory.mktemp("vision_sft"))
+    launch("clevr_count_70k_sft.py", "clevr_count_70k_sft.yaml", [
+        f"cluster.fileroot={root}", "experiment_name=vsft", "trial_name=t",
+        f"model.path={tiny_vlm_dir}", "total_train_steps=2", "train_dataset.size=16",
+        "train_dataset.batch_size=4", "valid_dataset.size=4", "valid_dataset.batch_size=4",
+        "evaluator.freq_steps=2",
+    ])  # fmt: skip
+    return os.path.join(root, "vsft", "t")
+
+
+def test_sft_through_the_launcher_trains_and_exports_a_vlm(sft_run, tiny_vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    records = read_metrics(sft_run)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(math.isfinite(r["loss"]) and r["n_seqs"] == 4 for r in records), records
+    assert math.isfinite(records[-1]["eval/loss"])
+    export = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep2")
+    assert os.path.exists(os.path.join(export, "preprocessor_config.json"))
+    trained = AutoModelForImageTextToText.from_pretrained(export).state_dict()
+    init = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).state_dict()
+    assert trained.keys() == init.keys()
+    assert max((trained[k] - init[k]).abs().max().item() for k in init) > 1e-4
+
+
+def test_grpo_through_the_launcher_from_the_sft_export(sft_run, tmp_path):
+    export = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep2")
+    launch("clevr_count_70k_grpo.py", "clevr_count_70k_grpo.yaml", [
+        f"cluster.fileroot={tmp_path}", "experiment_name=vgrpo", "trial_name=t",
+        f"actor.path={export}", "total_train_steps=2", "train_dataset.size=16",
+        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2", "gconfig.n_samples=2",
+        "actor.group_size=2", "gconfig.max_new_tokens=4", "valid_dataset.size=4",
+        "valid_dataset.batch_size=4", "evaluator.freq_steps=2",
+    ])  # fmt: skip
+    run_dir = os.path.join(tmp_path, "vgrpo", "t")
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["n_seqs"] == 4 and math.isfinite(r["loss"]), r
+        assert r["behave_logp_absdiff_max"] < 1e-3, r  # fp32 server and trainer agree
+    assert records[0]["staleness_max"] == 0
+    assert "eval/accuracy" in records[-1]
+    server_log = open(os.path.join(run_dir, "logs", "server0.log")).read()
+    assert "weights updated to version 2" in server_log
