@@ -33,6 +33,7 @@ from arealite.utils.save_load import (
     tmp_sibling,
     write_safetensors_shards,
 )
+from arealite.utils.vision import checkpoint_to_module_names
 
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 
@@ -133,8 +134,10 @@ class FSDPEngine(BaseHFEngine):
     def _load_hf(self, path: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = load_safetensors_dir(path)
         names = self.model.state_dict(keep_vars=True)
+        # VLMs save model.layers.* but hold model.language_model.layers.* (transformers 5).
+        renamed = checkpoint_to_module_names(self.model)
+        full = {renamed.get(k, k): v for k, v in load_safetensors_dir(path).items()}
         by_id = {}
         for name, t in names.items():  # tied weights: fill aliases from the stored name
             by_id.setdefault(id(t), name)

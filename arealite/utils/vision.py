@@ -91,7 +91,12 @@ def checkpoint_to_module_names(model: torch.nn.Module) -> dict[str, str]:
         return {k: k for k in own}
     by_id = {id(v): k for k, v in own.items()}
     reverted = revert_weight_conversion(model, dict(own))
-    mapping = {disk: by_id[id(v)] for disk, v in reverted.items() if id(v) in by_id}
+    # A name that is already a module name maps to itself (tied weights share one tensor id).
+    mapping = {
+        disk: disk if disk in own else by_id[id(v)]
+        for disk, v in reverted.items()
+        if id(v) in by_id
+    }
     if len(mapping) != len(reverted):  # a conversion that builds new tensors: cannot map by id
         raise ValueError(f"{type(model).__name__}: checkpoint names are not a plain renaming")
     return mapping
