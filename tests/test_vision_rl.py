@@ -367,3 +367,20 @@ def test_two_gloo_ranks_with_images_on_one_rank_match_one_rank(tiny_vlm_dir, tmp
     assert abs(one["grad_norm"] - two["stats"]["grad_norm"]) < 1e-4
     for k in weights:
         torch.testing.assert_close(weights[k], two["weights"][k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_vlm_runner_never_samples_image_pads(runner, processor, image_sets):
+    """Near-uniform sampling over ~650 tokens, 2048 draws: ~6 pads expected without the ban
+    (P(none) ~ 0.2%). A sampled pad would break resubmission and training."""
+    ids = encode(processor, image_sets[0])["input_ids"][0].tolist()
+    seqs = [
+        runner.new_sequence(make_request(runner, ids, image_sets[0], 256, temperature=50.0))
+        for _ in range(8)
+    ]
+    with torch.inference_mode():
+        runner.step(seqs)
+        while runner.num_running:
+            runner.step([])
+    out = [t for s in seqs for t in s.output_ids]
+    assert len(out) == 2048 and len(set(out)) > 400  # really near-uniform
+    assert runner.image_token_id not in out and runner.video_token_id not in out

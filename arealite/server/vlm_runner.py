@@ -7,7 +7,8 @@ tokens as image k yields (a run of one pad is expanded, as SGLang does), else th
 400 naming the image. Prefill feeds `pixel_values` / `image_grid_thw` and per-sequence M-RoPE
 positions (`get_rope_index`); decoding continues at `L + rope_delta` on all three M-RoPE rows,
 so the KV-cache batching of `ModelRunner` is reused unchanged. Text-only requests to a VLM take
-the same path with plain positions.
+the same path with plain positions. Pad tokens are never sampled (they would read as image
+slots on resubmission and in training).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class VLMRunner(ModelRunner):
         self.image_token_id, self.video_token_id = image_token_ids(self.model.config)
         self.merge_size = int(self.model.config.vision_config.spatial_merge_size)
         self._names: dict[str, str] | None = None
+        self._pad_mask: torch.Tensor | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def new_sequence(self, req: GenerateRequest) -> VisionSequence:
@@ -127,6 +129,18 @@ class VLMRunner(ModelRunner):
                 "image_grid_thw": mm["image_grid_thw"].to(self.device),
             }
         return positions, torch.tensor(nxt, device=self.device), extra
+
+    def _banned(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
+        """Image/video pads are never sampled: a generated pad would read as an image slot when
+        the trajectory is resubmitted or trained on. Logprobs still describe the full
+        distribution (as the trainer computes them)."""
+        banned = super()._banned(seqs, logits)
+        if self._pad_mask is None or self._pad_mask.shape[-1] != logits.shape[-1]:
+            mask = torch.zeros(1, logits.shape[-1], dtype=torch.bool)
+            ids = [t for t in (self.image_token_id, self.video_token_id) if t is not None]
+            mask[0, [t for t in ids if t < logits.shape[-1]]] = True
+            self._pad_mask = mask.to(logits.device)
+        return self._pad_mask if banned is None else banned | self._pad_mask
 
     # ---- weights --------------------------------------------------------------------------
     def _module_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
