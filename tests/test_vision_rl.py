@@ -384,3 +384,27 @@ def test_vlm_runner_never_samples_image_pads(runner, processor, image_sets):
     out = [t for s in seqs for t in s.output_ids]
     assert len(out) == 2048 and len(set(out)) > 400  # really near-uniform
     assert runner.image_token_id not in out and runner.video_token_id not in out
+
+
+def test_vlm_batch_whose_pads_do_not_match_its_images_is_rejected(
+    processor, image_sets, tiny_vlm_dir
+):
+    from arealite.utils.data import non_tensor_list, stack_non_tensor
+    from arealite.utils.vision import MM_KEY
+
+    batch, _ = vlm_batch(processor, image_sets)
+    items = non_tensor_list(batch, MM_KEY)
+    first = int(items[2]["image_grid_thw"][0].prod())  # keep row 2's first image only
+    items[2] = {
+        "pixel_values": items[2]["pixel_values"][:first],
+        "image_grid_thw": items[2]["image_grid_thw"][:1],
+    }
+    batch.set(MM_KEY, stack_non_tensor(items))
+    engine = vlm_engine(tiny_vlm_dir)
+    try:
+        with pytest.raises(
+            ValueError, match=r"row 2: 13 <\|image_pad\|> tokens in input_ids, but .* need 4"
+        ):
+            engine.compute_logprobs(batch)
+    finally:
+        engine.destroy()

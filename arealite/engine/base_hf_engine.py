@@ -39,7 +39,11 @@ from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
-from arealite.engine.vlm_inputs import vlm_attn_implementation, vlm_forward_mb
+from arealite.engine.vlm_inputs import (
+    validate_vlm_batch,
+    vlm_attn_implementation,
+    vlm_forward_mb,
+)
 from arealite.utils import distributed as du
 from arealite.utils.data import (
     MicroBatchList,
@@ -347,6 +351,8 @@ class BaseHFEngine(TrainEngine):
 
     def _validate(self, input_: TensorDict, required: tuple[str, ...]) -> None:
         validate_batch(input_, required)
+        if is_vlm_config(self.model.config):
+            validate_vlm_batch(self.model.config, input_)
         vocab = getattr(self.model.config, "vocab_size", None)
         ids = input_["input_ids"][input_["attention_mask"].bool()]
         if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):

@@ -100,3 +100,28 @@ def vlm_forward_mb(
     if dummy:  # keep the vision tower in the graph at zero weight
         return logits[:T] + 0.0 * logits[T:].sum()
     return logits
+
+
+def validate_vlm_batch(config: Any, data: Any) -> None:
+    """Every row's image-pad count matches its images (ValueError naming the row): a mismatch
+    would otherwise fail inside one rank's forward, with the other ranks left waiting."""
+    from arealite.utils.data import non_tensor_list
+
+    n = data.batch_size[0]
+    items = non_tensor_list(data, MM_KEY) if MM_KEY in data.keys() else [None] * n
+    merge = int(config.vision_config.spatial_merge_size)
+    real = data["attention_mask"].bool()
+    pads = ((data["input_ids"] == config.image_token_id) & real).sum(1).tolist()
+    for i, (item, n_pads) in enumerate(zip(items, pads)):
+        thw = torch.zeros(0, 3) if not item else torch.as_tensor(item["image_grid_thw"])
+        patches = int(thw.prod(-1).sum())
+        if item and int(item["pixel_values"].shape[0]) != patches:
+            raise ValueError(
+                f"row {i}: {MM_KEY} has {int(item['pixel_values'].shape[0])} pixel_values rows "
+                f"but image_grid_thw {thw.tolist()} has {patches} patches"
+            )
+        if n_pads != patches // merge**2:
+            raise ValueError(
+                f"row {i}: {n_pads} <|image_pad|> tokens in input_ids, but its images "
+                f"(image_grid_thw {thw.tolist()}) need {patches // merge**2}"
+            )
