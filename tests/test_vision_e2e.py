@@ -100,6 +100,31 @@ def test_episodes_carry_images_and_trainer_matches_server_logprobs(
     assert behaviour_gap(actor, batch) < 1e-3
 
 
+def test_bad_image_request_is_a_400_naming_the_image(server, processor, rows):
+    import requests
+
+    from arealite.utils.vision import image_to_base64
+    from arealite.workflow.vision_rlvr import vision_prompt
+
+    _, ids, images, _ = vision_prompt(processor, rows[0])
+    small = images[0].resize((28, 28))
+    url = f"http://{server.address}/generate"
+    for image_data, needle in (
+        ([image_to_base64(small)], "image_data[0]: its <|image_pad|> run"),
+        ([], "0 images for 1 <|image_pad|> runs"),
+    ):
+        r = requests.post(url, json={"input_ids": ids, "image_data": image_data}, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"], r.text
+    ok = requests.post(
+        url,
+        json={"input_ids": ids, "image_data": [image_to_base64(images[0])],
+              "sampling_params": {"max_new_tokens": 2}},
+        timeout=60,
+    )  # fmt: skip
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+    assert ok.json()["meta_info"]["prompt_tokens"] == len(ids)
+
+
 def test_disk_weight_update_reaches_the_server(rollout, workflow, rows, actor, tmp_path):
     """Train one step, push through an HF checkpoint on disk: the server then samples with the
     trained weights (its logprobs equal the trainer's again, and differ from the old ones)."""
