@@ -18,9 +18,15 @@ import shutil
 import subprocess
 import sys
 
-from arealite.api.cli_args import ConfigError, to_yaml
+from arealite.api.cli_args import to_yaml
 from arealite.launcher.preflight import check_resources, load_and_check
-from arealite.launcher.process import LaunchError, ProcessSet, install_signal_handlers, log_tail
+from arealite.launcher.process import (
+    LaunchError,
+    ProcessSet,
+    install_signal_handlers,
+    log_tail,
+    run_launcher,
+)
 from arealite.launcher.servers import (
     SERVER_ADDRS_ENV,
     plan_servers,
@@ -160,19 +166,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S"
-    )
-    try:
-        sys.exit(run(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except LaunchError as e:
-        print(f"launch failed: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_launcher(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -189,3 +189,23 @@ class LogFollower(threading.Thread):
         self.done.set()
         if self.ident is not None:  # started
             self.join(timeout)
+
+
+def run_launcher(run, argv: list[str]) -> None:
+    """Shared `main` of the launchers: exit 0 on success, 2 for a config error (nothing was
+    started), 1 when a part of the run failed (named in the message), 130 on Ctrl-C."""
+    from arealite.api.cli_args import ConfigError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        sys.exit(run(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except LaunchError as e:
+        print(f"launch failed: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -27,7 +27,13 @@ import time
 from arealite.api.cli_args import ConfigError, to_yaml
 from arealite.launcher.local import trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
-from arealite.launcher.process import LaunchError, LogFollower, install_signal_handlers, log_tail
+from arealite.launcher.process import (
+    LaunchError,
+    LogFollower,
+    install_signal_handlers,
+    log_tail,
+    run_launcher,
+)
 from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
@@ -386,19 +392,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S"
-    )
-    try:
-        sys.exit(run(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except LaunchError as e:
-        print(f"launch failed: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_launcher(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,16 @@ import subprocess
 import sys
 import time
 
-from arealite.api.cli_args import ConfigError, NameResolveConfig, to_yaml
+from arealite.api.cli_args import NameResolveConfig, to_yaml
 from arealite.launcher.local import failed_ranks_summary, trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
-from arealite.launcher.process import LaunchError, LogFollower, install_signal_handlers, log_tail
+from arealite.launcher.process import (
+    LaunchError,
+    LogFollower,
+    install_signal_handlers,
+    log_tail,
+    run_launcher,
+)
 from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
@@ -411,19 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["register-and-run"]:
         sys.exit(register_and_run(argv[1:]))
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S"
-    )
-    try:
-        sys.exit(run(argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except LaunchError as e:
-        print(f"launch failed: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_launcher(run, argv)
 
 
 if __name__ == "__main__":
