@@ -38,9 +38,10 @@ def launcher_cmd(script: str, config: str, fileroot, trial: str, overrides: list
     ]  # fmt: skip
 
 
-def start(cmd, log_path) -> subprocess.Popen:
+def start(cmd, log_path, env=None) -> subprocess.Popen:
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it; closed with the test
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def finish(proc: subprocess.Popen, log_path, timeout: float = 300) -> None:
@@ -321,6 +322,20 @@ def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
 # ----------------------------------------------------------------------------- server faults
 
 
+def wait_running_requests(url: str, key: str, timeout: float = 60) -> None:
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with opener.open(req, timeout=5) as r:
+            text = r.read().decode()
+        running = [ln for ln in text.splitlines() if ln.startswith("arealite_running_requests")]
+        if running and float(running[0].split()[-1]) > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no request running on {url} within {timeout}s")
+
+
 @pytest.mark.integration
 def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, sft_reference):
     """2 servers; one is SIGKILLed mid-run. Its requests fail over to the other (resubmitted
@@ -334,14 +349,18 @@ def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, sft_
     run_dir, log = tmp_path / "recover" / "faulty", tmp_path / "faulty.log"
     two = ["allocation_mode=local.d2p1t1+d1p1t1"]
     cmd = grpo_cmd(tmp_path, model, "faulty", [*SYNC, *steps, *two])
-    proc = start(cmd, log)
+    key = "recover-test-key"  # the launcher uses it for its servers: we may query them
+    proc = start(cmd, log, env={"AREAL_SERVER_API_KEY": key})
     wait_for_step(proc, run_dir, 2, log)
     servers = [
         p for p in psutil.Process(proc.pid).children(recursive=True)
         if "arealite.server" in p.cmdline()
     ]  # fmt: skip
     assert len(servers) == 2
-    servers[0].send_signal(signal.SIGKILL)
+    victim = servers[0]
+    port = victim.cmdline()[victim.cmdline().index("--port") + 1]
+    wait_running_requests(f"http://127.0.0.1:{port}", key)  # kill it mid-generation
+    victim.send_signal(signal.SIGKILL)
     finish(proc, log)
 
     text = open(log).read()
@@ -389,7 +408,8 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
         while engine.failed and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not engine.failed and engine.stats()["servers_readmitted"] == 1
-        with urllib.request.urlopen(f"{b.url}/get_weight_version", timeout=5) as r:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{b.url}/get_weight_version", timeout=5) as r:
             assert json.loads(r.read())["weight_version"] == 3
         # The same prompt under new request ids, round-robin over a and b: greedy answers
         # agree only if b really serves the pushed weights (it started with other ones).
@@ -526,3 +546,61 @@ def test_recover_state_round_trips_rng_and_tensors_through_json():
     assert torch.equal(back["t"], state["t"]) and back["x"] == (1, [2.5])
     with pytest.raises(TypeError, match="cannot store a object"):
         to_json({"bad": object()})
+
+
+# ----------------------------------------------------------------------------- seeded sampling
+
+
+def test_seeded_draws_depend_only_on_seed_and_position():
+    from arealite.server.protocol import SamplingParams
+    from arealite.server.sampling import SamplingTensors, sample_next_tokens
+
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    logits[2] = logits[0]
+    params = [SamplingParams(seed=7), SamplingParams(), SamplingParams(seed=7)]
+    st = SamplingTensors.build(params, 64, "cpu")
+    tokens = []
+    for pos in range(40):
+        t, _ = sample_next_tokens(logits, st, torch.Generator().manual_seed(pos), None, [pos] * 3)
+        alone, _ = sample_next_tokens(
+            logits[:1], SamplingTensors.build(params[:1], 64, "cpu"), None, None, [pos]
+        )
+        assert t[0] == t[2] == alone[0]  # same seed and position: same draw, whatever the batch
+        tokens.append(int(t[0]))
+    assert len(set(tokens)) > 5  # positions draw independently
+
+
+@pytest.mark.integration
+def test_a_seeded_request_resumed_after_an_abort_continues_the_same_tokens(tiny_model_dir):
+    """What makes reruns reproducible: a seeded generation is the same alone or amid other
+    requests, and prompt + its first k tokens continues with exactly its remaining tokens."""
+    import concurrent.futures
+
+    import requests
+
+    from arealite.server.process import launch_server
+
+    server = launch_server(tiny_model_dir, dtype="float32")
+    session = requests.Session()
+    session.trust_env = False  # never through a proxy
+
+    def generate(ids, n, seed=11):
+        sp = {"max_new_tokens": n, "ignore_eos": True, "sampling_seed": seed, "temperature": 1.0}
+        r = session.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sp},
+                         timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    try:
+        prompt = [5, 6, 7, 8]
+        full = generate(prompt, 12)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            crowd = [pool.submit(generate, [9, i, 3], 12, seed=i) for i in range(7)]
+            amid = pool.submit(generate, prompt, 12)
+            assert amid.result() == full
+            assert len({tuple(f.result()) for f in crowd}) > 1
+        for k in (1, 5, 11):
+            assert generate(prompt + full[:k], 12 - k) == full[k:]
+        assert generate(prompt, 12, seed=12) != full
+    finally:
+        server.stop()

@@ -132,6 +132,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self._update_lock: asyncio.Lock | None = None
         self._nccl_group: tuple | None = None
         self._last_weights: WeightUpdateMeta | None = None  # what a re-admitted server loads
+        self._seen_version = 0  # newest weight version a server reported to this client
 
     # ============================================================ server-specific hooks
 
@@ -260,6 +261,9 @@ class RemoteInferenceEngine(InferenceEngine):
                 return
             if meta is not None:
                 await self.update_server_from_disk(addr, meta)
+            elif not await self._serves_version(addr, self._seen_version):
+                return  # a client that never pushed weights (e.g. an evaluator) waits for the
+                # one that does to bring the restarted server up to date
             if self._gen_allowed.is_set():
                 await self.continue_server(addr)
             else:  # generation is paused on the others (pause_generation): pause it too
@@ -390,6 +394,15 @@ class RemoteInferenceEngine(InferenceEngine):
             self._sticky.popitem(last=False)
         return addr
 
+    async def _serves_version(self, addr: str, version: int) -> bool:
+        """Whether `addr` reports weights at least `version` (True when it cannot tell)."""
+        try:
+            body = await self._http(addr, "GET", "/get_weight_version", timeout=5.0)
+        except ServerError:
+            return True
+        served = parse_version(body.get("weight_version")) if isinstance(body, dict) else None
+        return served is None or served >= version
+
     async def _choose_server_or_wait(self, rid: str) -> str:
         """With every server down, wait up to setup_timeout for one to be re-admitted (a
         launcher restarts dead servers) before giving up."""
@@ -473,6 +486,7 @@ class RemoteInferenceEngine(InferenceEngine):
             if chunk.output_tokens and ttft == float("inf"):
                 ttft = time.perf_counter() - start
             v = chunk.version if chunk.version is not None else self._weight_version
+            self._seen_version = max(self._seen_version, v)
             tokens += chunk.output_tokens
             logprobs += chunk.output_logprobs
             if chunk.token_versions is None:
