@@ -30,7 +30,11 @@ for addr in addrs:
     req = urllib.request.Request(
         f"http://{addr}/generate",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            # The launcher's per-run key: its embedded servers require it.
+            "Authorization": f"Bearer {os.environ['AREAL_SERVER_API_KEY']}",
+        },
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         record["tokens"][addr] = len(json.load(r)["output_ids"])
