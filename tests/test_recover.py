@@ -604,3 +604,29 @@ def test_a_seeded_request_resumed_after_an_abort_continues_the_same_tokens(tiny_
         assert generate(prompt, 12, seed=12) != full
     finally:
         server.stop()
+
+
+def test_a_kill_between_the_swap_renames_loses_no_checkpoint(tmp_path):
+    """swap_in moves the old checkpoint aside, then renames the staged one in: a kill between
+    the two leaves no `checkpoint/`; the next start puts the newest complete one back."""
+    from arealite.api.cli_args import RecoverConfig
+    from arealite.utils.recover import COMPLETE, RecoverHandler
+
+    handler = RecoverHandler(RecoverConfig(mode="auto"), None, str(tmp_path))
+    root = tmp_path / "recover"
+    (root / ".checkpoint.old-123").mkdir(parents=True)
+    (root / ".checkpoint.old-123" / "rank0.json").write_text("old")
+    handler._repair()  # only the moved-aside one: it comes back
+    assert (root / "checkpoint" / "rank0.json").read_text() == "old"
+
+    os.replace(root / "checkpoint", root / ".checkpoint.old-456")
+    staged = root / ".checkpoint.staging"
+    staged.mkdir()
+    (staged / "rank0.json").write_text("new")
+    handler._repair()  # an incomplete staged one is not trusted
+    assert (root / "checkpoint" / "rank0.json").read_text() == "old"
+
+    os.replace(root / "checkpoint", root / ".checkpoint.old-789")
+    (staged / COMPLETE).write_text("{}")
+    handler._repair()  # a complete staged one is the newest
+    assert (root / "checkpoint" / "rank0.json").read_text() == "new"

@@ -32,6 +32,7 @@ from arealite.utils.timer import EpochStepTimeFreqCtl
 logger = logging.getLogger("arealite.recover")
 
 STATE_FORMAT = 2  # bump when rank<r>.json changes incompatibly
+COMPLETE = "COMPLETE.json"  # written last into a staged checkpoint: every rank's part is there
 
 
 # ----------------------------------------------------------------------------- JSON state
@@ -262,10 +263,30 @@ class RecoverHandler:
         error = None
         if du.is_main():
             try:
+                write_json(os.path.join(staged, COMPLETE), {"next_step": next_step})
                 swap_in(staged, self.path)
             except OSError as e:
                 error = e
         du.raise_if_any_rank_failed(error)
+
+    def _repair(self) -> None:
+        """A kill between swap_in's two renames leaves no checkpoint at `path`, but a complete
+        staged one or the moved-aside previous one: put the newest complete one back."""
+        if os.path.exists(self.path):
+            return
+        staged = tmp_sibling(self.path, "staging")
+        parent = os.path.dirname(os.path.abspath(self.path))
+        prefix = os.path.basename(tmp_sibling(self.path, "old-"))  # swap_in's aside names
+        names = os.listdir(parent) if os.path.isdir(parent) else []
+        old = sorted((os.path.join(parent, d) for d in names if d.startswith(prefix)),
+                     key=os.path.getmtime)  # fmt: skip
+        if os.path.exists(os.path.join(staged, COMPLETE)):
+            os.replace(staged, self.path)
+        elif old:
+            os.replace(old[-1], self.path)
+        else:
+            return
+        logger.warning("recover checkpoint restored after an interrupted swap: %s", self.path)
 
     def load(self, engine, dataloader, rollout, saver, evaluator,
              extra: dict[str, Any] | None = None) -> int:  # fmt: skip
@@ -273,6 +294,9 @@ class RecoverHandler:
         `extra` names the same objects `dump` was given."""
         if not self.enabled:
             return 0
+        if du.is_main():
+            self._repair()
+        du.barrier()
         if not os.path.exists(self._state_path(self.path, 0)):
             if self.config.mode == "resume":
                 raise FileNotFoundError(
