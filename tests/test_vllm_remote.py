@@ -292,12 +292,16 @@ def test_bad_weight_dir_is_reported_and_server_survives(engine, tiny_model_dir, 
     with pytest.raises(ValueError, match=r"has no \*\.safetensors"):
         no_weights.result()
 
-    # Passes the check but vLLM cannot read it: the previous weights are reloaded.
+    # Passes the check but vLLM cannot read it: the previous weights are reloaded. (Some vLLM
+    # builds kill their engine on a failed reload; then the client must say so and take the
+    # server out of rotation instead.)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
-    with pytest.raises(
-        RuntimeError, match=re.escape(str(tmp_path)) + ".*restored the (previous|launch) weights"
-    ):
+    with pytest.raises(RuntimeError, match=re.escape(str(tmp_path))) as err:
         engine.update_weights(WeightUpdateMeta.from_disk(str(tmp_path), 7)).result()
+    if "restoring the previous weights failed" in str(err.value):
+        assert list(engine.failed) == engine.addresses  # out of rotation, with the reason
+        return
+    assert re.search("restored the (previous|launch) weights", str(err.value))
     assert not engine.failed and engine.weight_version == version
     again = generate(engine, max_new_tokens=8, greedy=True)
     assert again.output_tokens == before.output_tokens
