@@ -218,3 +218,12 @@ def test_arith_rl_rows_load_into_a_dataloader():
     batch = next(iter(loader))
     assert len(batch) == 4 and set(batch[0]) == {"messages", "answer", "query_id"}
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # conftest keeps tests off the hub
+
+
+def test_empty_dataset_file_is_named(tmp_path):
+    from arealite.dataset import DatasetFormatError, get_custom_dataset
+
+    empty = tmp_path / "gsm8k_empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DatasetFormatError, match="gsm8k_empty.jsonl.*empty"):
+        get_custom_dataset(str(empty), 0, 1)

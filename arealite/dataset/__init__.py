@@ -30,6 +30,11 @@ __all__ = [
 ARITH_KWARGS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction")
 
 
+def _has_content(path: str) -> bool:
+    with open(path, "rb") as f:
+        return bool(f.read(4096).strip())
+
+
 def shard_dataset(ds: Any, rank: int, world_size: int) -> Any:
     """This rank's contiguous shard; shards of all ranks partition the dataset."""
     from datasets.distributed import split_dataset_by_node
@@ -66,6 +71,8 @@ def get_custom_dataset(
         return _vision_dataset(path, rank, world_size, type, split, processor, kwargs)
     if path == "arith":
         ds = get_arith_dataset(split, type, tokenizer, **kwargs)
+    elif os.path.isfile(path) and not _has_content(path):
+        raise DatasetFormatError(f"dataset file {path!r} is empty")
     elif "gsm8k" in path.lower() or os.path.exists(path):
         # The arithmetic knobs (always present in DatasetConfig) mean nothing here.
         ds = get_gsm8k_dataset(path, split, type, tokenizer)
@@ -74,6 +81,8 @@ def get_custom_dataset(
             f"Unknown dataset {path!r}: use 'arith', a GSM8K hub id ('openai/gsm8k'), or a local "
             "GSM8K-format .jsonl / .parquet file or directory"
         )
+    if len(ds) == 0:
+        raise DatasetFormatError(f"dataset {path!r} (split {split!r}) has no rows")
     ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}")
     return shard_dataset(ds, rank, world_size)
 
