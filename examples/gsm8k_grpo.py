@@ -39,7 +39,7 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, pr
     kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
     ds = get_custom_dataset(
         cfg.path, rank, world, type="rl", split=split or cfg.split, tokenizer=tokenizer,
-        max_length=cfg.max_length, processor=processor,
+        max_length=cfg.max_length, too_long=cfg.too_long, processor=processor,
         **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
     )  # fmt: skip
     order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)

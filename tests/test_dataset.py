@@ -227,3 +227,18 @@ def test_empty_dataset_file_is_named(tmp_path):
     empty.write_text("\n")
     with pytest.raises(DatasetFormatError, match="gsm8k_empty.jsonl.*empty"):
         get_custom_dataset(str(empty), 0, 1)
+
+
+def test_too_long_rows_drop_or_fail(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from arealite.dataset import DatasetFormatError, get_custom_dataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    full = get_custom_dataset("arith", 0, 1, tokenizer=tok, size=20, n_operands=3)
+    kept = get_custom_dataset("arith", 0, 1, tokenizer=tok, size=20, n_operands=3, max_length=10)
+    assert len(kept) < len(full)  # every prompt is longer than 10 tokens with the template
+    with pytest.raises(DatasetFormatError, match=r"row 0 has \d+ tokens, over max_length=10"):
+        get_custom_dataset(
+            "arith", 0, 1, tokenizer=tok, size=20, n_operands=3, max_length=10, too_long="fail"
+        )

@@ -398,7 +398,10 @@ class DatasetConfig:
     num_workers: int = 0
     drop_last: bool = True
     max_length: Optional[int] = field(
-        default=None, metadata=_help("Drop (count) rows whose prompt is longer than this.")
+        default=None, metadata=_help("Rows longer than this (tokens) are dropped or fail.")
+    )
+    too_long: str = field(
+        default="drop", metadata=_help("Rows over max_length: drop (counted, logged) | fail.")
     )
     # Synthetic arithmetic task knobs (path='arith').
     size: int = field(default=2000, metadata=_help("Rows of a synthetic dataset."))
@@ -408,6 +411,7 @@ class DatasetConfig:
 
     def __post_init__(self):
         _choice("dataset.type", self.type, ("rl", "sft"))
+        _choice("dataset.too_long", self.too_long, ("drop", "fail"))
         if self.batch_size < 1:
             raise ConfigError(f"dataset.batch_size must be >= 1, got {self.batch_size}")
 

@@ -53,6 +53,7 @@ def get_custom_dataset(
     tokenizer: Any = None,
     processor: Any = None,
     max_length: int | None = None,
+    too_long: str = "drop",
     **kwargs: Any,
 ) -> Any:
     """This rank's shard of dataset `path`, as RL rows (messages, answer, query_id) or SFT rows
@@ -83,7 +84,7 @@ def get_custom_dataset(
         )
     if len(ds) == 0:
         raise DatasetFormatError(f"dataset {path!r} (split {split!r}) has no rows")
-    ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}")
+    ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}", on_long=too_long)
     return shard_dataset(ds, rank, world_size)
 
 

@@ -48,11 +48,16 @@ def sft_row(tokenizer: Any, messages: list[dict], answer_text: str) -> dict[str,
     return {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
 
 
-def drop_long_rows(ds: Any, max_length: int | None, type: str, tokenizer: Any, name: str) -> Any:
+def drop_long_rows(
+    ds: Any, max_length: int | None, type: str, tokenizer: Any, name: str, on_long: str = "drop"
+) -> Any:
     """Drop rows longer than `max_length` tokens (RL: the prompt; SFT: the whole sequence,
-    which is what gets trained on), and log how many went."""
+    which is what gets trained on), and log how many went; `on_long="fail"` raises instead,
+    naming the first such row."""
     if max_length is None:
         return ds
+    if on_long not in ("drop", "fail"):
+        raise ValueError(f"on_long must be 'drop' or 'fail', got {on_long!r}")
     if type == "sft":
         kept = ds.filter(lambda r: len(r["input_ids"]) <= max_length, keep_in_memory=True)
     else:
@@ -63,6 +68,17 @@ def drop_long_rows(ds: Any, max_length: int | None, type: str, tokenizer: Any, n
             keep_in_memory=True,
         )
     n_dropped = len(ds) - len(kept)
+    if n_dropped and on_long == "fail":
+        lengths = (
+            [len(r["input_ids"]) for r in ds]
+            if type == "sft"
+            else [len(chat_prompt_ids(tokenizer, r["messages"])) for r in ds]
+        )
+        first = next(i for i, n in enumerate(lengths) if n > max_length)
+        raise DatasetFormatError(
+            f"{name}: row {first} has {lengths[first]} tokens, over max_length={max_length} "
+            f"({n_dropped} rows in all; set too_long=drop to skip them)"
+        )
     if n_dropped:
         logger.warning(
             "%s: dropped %d of %d rows longer than max_length=%d tokens",
