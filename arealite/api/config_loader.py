@@ -1,0 +1,171 @@
+"""Loading configs: `--config FILE.yaml` plus dotted `key=value` overrides, validated.
+
+Kept apart from the dataclasses in `cli_args.py` (which re-exports `load_expr_config` and
+`to_yaml`): this module is about error messages that name the key, the value and the closest
+valid key, not about what the options are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def _valid_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass, including keys inside Optional sub-configs."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        sub = _dataclass_in(hints[f.name])
+        if sub is not None:
+            keys.extend(_valid_keys(sub, key + "."))
+    return keys
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass in `hint` (`X` or `Optional[X]`), if any."""
+    for t in (hint, *typing.get_args(hint)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _suggest(bad_key: str, valid: list[str]) -> str | None:
+    """Closest valid key: same top-level section first, then by leaf-name similarity."""
+    head, _, _ = bad_key.partition(".")
+    leaf = bad_key.rsplit(".", 1)[-1]
+
+    def score(k: str) -> float:
+        same_head = k.partition(".")[0] == head if "." in bad_key else 1.0
+        leaf_ratio = difflib.SequenceMatcher(None, leaf, k.rsplit(".", 1)[-1]).ratio()
+        full_ratio = difflib.SequenceMatcher(None, bad_key, k).ratio()
+        return 0.5 * same_head + leaf_ratio + 0.3 * full_ratio
+
+    best = max(valid, key=score, default=None)
+    if best is None or score(best) < 0.9:
+        return None
+    return best
+
+
+def _flatten(d: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            out.append(key)
+            out.extend(_flatten(v, key + "."))
+    return out
+
+
+def _check_keys(user_keys: list[str], config_cls: type, source: str) -> None:
+    valid = _valid_keys(config_cls)
+    valid_set = set(valid)
+    for key in user_keys:
+        if key not in valid_set:
+            hint = _suggest(key, valid)
+            msg = f"Unknown config key {key!r} (from {source})"
+            if hint:
+                msg += f"; did you mean {hint!r}?"
+            raise ConfigError(msg)
+
+
+def _apply_presets(merged: Any, user_cfg: Any) -> Any:
+    """Put actor presets *under* the user's values, so explicit keys still win."""
+    from arealite.api.cli_args import ACTOR_PRESETS  # the presets sit with the actor config
+
+    preset = OmegaConf.select(user_cfg, "actor.preset", default=None)
+    if preset is None:
+        return merged
+    if preset not in ACTOR_PRESETS:
+        raise ConfigError(
+            f"actor.preset={preset!r} is not allowed; choose one of {list(ACTOR_PRESETS)}"
+        )
+    return OmegaConf.merge(merged, {"actor": ACTOR_PRESETS[preset]}, user_cfg)
+
+
+def load_expr_config(argv: list[str], config_cls: type) -> Any:
+    """Parse `--config FILE.yaml key=value ...` into a validated `config_cls` instance.
+
+    Raises ConfigError naming the key for unknown keys (with the closest valid key), wrong
+    types (key, value, expected type), a missing config file, and failed validation.
+    """
+    parser = argparse.ArgumentParser(add_help=True)
+    parser.add_argument("--config", help="YAML config file")
+    args, overrides = parser.parse_known_args(argv)
+    for o in overrides:
+        if "=" not in o or o.startswith("-"):
+            raise ConfigError(
+                f"Bad override {o!r}: expected dotted key=value, e.g. actor.optimizer.lr=1e-5"
+            )
+
+    layers = []
+    if args.config:
+        if not os.path.isfile(args.config):
+            raise ConfigError(f"Config file not found: {args.config}")
+        file_cfg = OmegaConf.load(args.config)
+        _check_keys(_flatten(OmegaConf.to_container(file_cfg)), config_cls, args.config)
+        layers.append(file_cfg)
+    cli_cfg = OmegaConf.from_dotlist(overrides)
+    _check_keys([o.split("=", 1)[0] for o in overrides], config_cls, "command line")
+    layers.append(cli_cfg)
+
+    schema = OmegaConf.structured(config_cls)
+    try:
+        user_cfg = OmegaConf.merge(*layers)
+        merged = OmegaConf.merge(schema, user_cfg)
+        merged = _apply_presets(merged, user_cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"Missing required config key(s): {', '.join(missing)}")
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except ValidationError as e:
+        raise ConfigError(_type_error_message(e, config_cls)) from None
+    except ConfigKeyError as e:
+        raise ConfigError(f"Config key error: {e.msg} (key {e.full_key!r})") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Invalid config at {getattr(e, 'full_key', '?')!r}: {e.msg}") from None
+
+
+def _expected_type(config_cls: type, dotted_key: str) -> str:
+    """The declared type of `dotted_key` in the schema, e.g. 'float' or 'Optional[int]'."""
+    cls, hint = config_cls, None
+    for part in dotted_key.split("."):
+        if cls is None:
+            return "?"
+        hint = typing.get_type_hints(cls).get(part)
+        cls = _dataclass_in(hint) if hint is not None else None
+    if hint is None:
+        return "?"
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return f"{getattr(args[0], '__name__', args[0])} or null"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _type_error_message(e: ValidationError, config_cls: type) -> str:
+    return (
+        f"Wrong type for config key {e.full_key!r}: got {getattr(e, 'value', None)!r}, "
+        f"expected {_expected_type(config_cls, str(e.full_key))}"
+    )
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved config as YAML (written next to every run's logs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
