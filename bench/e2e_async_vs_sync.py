@@ -18,7 +18,7 @@ Figures (one JSON line each, then the ratios), read from each run's metrics.json
   ratios are of the medians over rounds.
 
 Without --model-path a warm start is built first: the tiny offline model
-(arealite.utils.tiny_model) fine-tuned by examples/arith_sft.py with its YAML defaults.
+(arealite.testing.tiny_model) fine-tuned by examples/arith_sft.py with its YAML defaults.
 
     python bench/e2e_async_vs_sync.py [--model-path DIR] [--steps 80] [--eval-every 10]
         [--target-accuracy 0.15] [--eta 4] [--rounds 1] [--workdir DIR] [--set key=value ...]
@@ -68,7 +68,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def build_warm_start(workdir: str, extra: list[str]) -> str:
     """Tiny model + SFT with arith_sft.yaml's defaults; returns the exported checkpoint."""
-    from arealite.utils.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(os.path.join(workdir, "tiny_model"))
     args = [f"cluster.fileroot={workdir}", "experiment_name=bench-sft", "trial_name=warm",

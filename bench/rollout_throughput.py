@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = tempfile.TemporaryDirectory(prefix="bench-rollout-")
     model_path = a.model_path
     if model_path is None:
-        from arealite.utils.tiny_model import build_tiny_model
+        from arealite.testing.tiny_model import build_tiny_model
 
         model_path = build_tiny_model(os.path.join(tmp.name, "tiny"))
     from transformers import AutoConfig

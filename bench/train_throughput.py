@@ -262,7 +262,7 @@ def main() -> None:
     if a.child == "upload":
         return run_upload(a)
 
-    from arealite.utils.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         tiny = build_tiny_model(os.path.join(d, "tiny"))

@@ -2,7 +2,7 @@
 processor and the counting reward. Images go to the inference server as base64 with the expanded
 prompt ids, and ride along in the batch (`multi_modal_input`) to the trainer.
 
-    python -m arealite.utils.tiny_vlm runs/demo/tiny_vlm      # CPU: a tiny random Qwen2-VL
+    python -m arealite.testing.tiny_vlm runs/demo/tiny_vlm      # CPU: a tiny random Qwen2-VL
     python -m arealite.launcher.local examples/clevr_count_70k_grpo.py \
         --config examples/configs/clevr_count_70k_grpo.yaml experiment_name=clevr trial_name=run1
 
@@ -16,7 +16,7 @@ import sys
 from gsm8k_grpo import main
 
 from arealite.reward.clevr_count import clevr_count_reward_fn
-from arealite.utils.tiny_vlm import load_vlm_processor
+from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.vision_rlvr import VisionRLVRWorkflow
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 
 from gsm8k_sft import main
 
-from arealite.utils.tiny_vlm import load_vlm_processor
+from arealite.utils.vision import load_vlm_processor
 
 if __name__ == "__main__":
     logging.basicConfig(

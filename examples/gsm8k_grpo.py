@@ -26,11 +26,11 @@ from arealite.dataset import get_custom_dataset
 from arealite.engine import make_remote_engine
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.reward.math_verify_reward import gsm8k_reward_fn
+from arealite.trainer.evaluator import Evaluator
+from arealite.trainer.recover import RecoverHandler, ResumableSampler
+from arealite.trainer.saver import Saver
+from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
-from arealite.utils.evaluator import Evaluator
-from arealite.utils.recover import RecoverHandler, ResumableSampler
-from arealite.utils.saver import Saver
-from arealite.utils.stats_logger import StatsLogger
 from arealite.workflow.rlvr import RLVRWorkflow
 
 

@@ -21,12 +21,12 @@ from arealite.api.cli_args import SFTConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
 from arealite.dataset import get_custom_dataset
 from arealite.engine.sft.lm_engine import FSDPLMEngine
+from arealite.trainer.evaluator import Evaluator
+from arealite.trainer.recover import RecoverHandler, ResumableSampler
+from arealite.trainer.saver import Saver
+from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
 from arealite.utils.data import pad_sequences_to_tensors
-from arealite.utils.evaluator import Evaluator
-from arealite.utils.recover import RecoverHandler, ResumableSampler
-from arealite.utils.saver import Saver
-from arealite.utils.stats_logger import StatsLogger
 from arealite.utils.vision import sft_row_inputs
 
 

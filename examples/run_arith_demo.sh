@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 
 if [ ! -f "$RUN/tiny_model/config.json" ]; then
-  $PY -m arealite.utils.tiny_model "$RUN/tiny_model"
+  $PY -m arealite.testing.tiny_model "$RUN/tiny_model"
 fi
 
 echo "== 1/2 SFT warm start (examples/configs/arith_sft.yaml)"

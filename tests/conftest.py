@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random ~3M-parameter Qwen2 + tokenizer on disk, loadable with from_pretrained(path)."""
-    from arealite.utils.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
@@ -21,7 +21,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir_v2(tmp_path_factory) -> str:
     """Same architecture and tokenizer, different random weights (for weight-update tests)."""
-    from arealite.utils.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model_v2")), seed=2)
 
@@ -29,7 +29,7 @@ def tiny_model_dir_v2(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(tmp_path_factory) -> str:
     """A random ~0.7M-parameter Qwen2-VL + processor files (see arealite/utils/tiny_vlm.py)."""
-    from arealite.utils.tiny_vlm import build_tiny_vlm
+    from arealite.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm")))
 
@@ -37,6 +37,6 @@ def tiny_vlm_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir_v2(tmp_path_factory) -> str:
     """Same VLM architecture and processor, different random weights."""
-    from arealite.utils.tiny_vlm import build_tiny_vlm
+    from arealite.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm_v2")), seed=2)

@@ -264,7 +264,7 @@ def pulled_and_pending(run_dir, per_pull: int) -> tuple[list[str], set[str]]:
     """From the final recover state: every item the executor pulled (dataloader order) and the
     ones pulled but not trained on yet (they would be replayed by another resume)."""
     from arealite.dataset import get_custom_dataset
-    from arealite.utils.recover import ResumableSampler
+    from arealite.trainer.recover import ResumableSampler
 
     ds = get_custom_dataset("arith", type="rl", split="train", size=256, max_digits=1,
                             n_operands=2)  # fmt: skip
@@ -464,7 +464,7 @@ import json, os, resource, signal, sys
 from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec
 from arealite.engine.fsdp_engine import FSDPEngine
-from arealite.utils.recover import RecoverError, RecoverHandler
+from arealite.trainer.recover import RecoverError, RecoverHandler
 from arealite.api.cli_args import RecoverConfig
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -516,7 +516,7 @@ def test_dcp_metadata_is_loaded_without_arbitrary_unpickling(tmp_path):
     """A tampered `.metadata` that would run code on pickle.load is refused."""
     import pickle
 
-    from arealite.utils.recover import safe_dcp_reader
+    from arealite.utils.safe_state import safe_dcp_reader
 
     class Exploit:
         def __reduce__(self):
@@ -533,7 +533,7 @@ def test_recover_state_round_trips_rng_and_tensors_through_json():
 
     import numpy as np
 
-    from arealite.utils.recover import from_json, to_json
+    from arealite.utils.safe_state import from_json, to_json
     from arealite.utils.save_load import rng_state
 
     state = {"rng": rng_state(), "t": torch.arange(3, dtype=torch.bfloat16), "x": (1, [2.5])}
@@ -610,7 +610,7 @@ def test_a_kill_between_the_swap_renames_loses_no_checkpoint(tmp_path):
     """swap_in moves the old checkpoint aside, then renames the staged one in: a kill between
     the two leaves no `checkpoint/`; the next start puts the newest complete one back."""
     from arealite.api.cli_args import RecoverConfig
-    from arealite.utils.recover import COMPLETE, RecoverHandler
+    from arealite.trainer.recover import COMPLETE, RecoverHandler
 
     handler = RecoverHandler(RecoverConfig(mode="auto"), None, str(tmp_path))
     root = tmp_path / "recover"

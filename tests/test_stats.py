@@ -15,13 +15,13 @@ import torch.multiprocessing as mp
 
 from arealite.api.cli_args import EvaluatorConfig, SaverConfig, StatsLoggerConfig
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
+from arealite.trainer.evaluator import Evaluator
+from arealite.trainer.saver import Saver
+from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
-from arealite.utils.evaluator import Evaluator
 from arealite.utils.network import find_free_port
 from arealite.utils.plotting import read_metrics_jsonl
 from arealite.utils.progress import ProgressLine, find_stat, format_progress
-from arealite.utils.saver import Saver
-from arealite.utils.stats_logger import StatsLogger
 from arealite.utils.stats_tracker import StatsTracker
 from arealite.utils.timer import EpochStepTimeFreqCtl
 

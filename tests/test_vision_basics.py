@@ -22,7 +22,8 @@ from arealite.dataset.clevr_count_70k import (
     get_clevr_count_70k_sft_dataset,
     write_synthetic_counting_dataset,
 )
-from arealite.utils.tiny_vlm import IMAGE_PLACEHOLDER, build_tiny_vlm, load_vlm_processor
+from arealite.testing.tiny_vlm import IMAGE_PLACEHOLDER, build_tiny_vlm
+from arealite.utils.vision import load_vlm_processor
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.reward.clevr_count import clevr_count_reward_fn
 from arealite.server.process import launch_server
 from arealite.utils.data import non_tensor_list
-from arealite.utils.tiny_vlm import load_vlm_processor
-from arealite.utils.vision import MM_KEY
+from arealite.utils.vision import MM_KEY, load_vlm_processor
 from arealite.workflow.vision_rlvr import VisionRLVRWorkflow
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import torch
 
 from arealite.dataset.clevr_count_70k import SYSTEM_PROMPT, fit_image, generate_synthetic_counting
 from arealite.server.protocol import BadRequest, parse_generate_request
-from arealite.utils.tiny_vlm import IMAGE_PLACEHOLDER, load_vlm_processor
-from arealite.utils.vision import image_to_base64, mm_token_type_ids
+from arealite.testing.tiny_vlm import IMAGE_PLACEHOLDER
+from arealite.utils.vision import image_to_base64, load_vlm_processor, mm_token_type_ids
 
 
 @pytest.fixture(scope="module")

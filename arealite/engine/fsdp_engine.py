@@ -22,7 +22,7 @@ from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from arealite.engine.base_hf_engine import BaseHFEngine, build_optimizer, load_hf_model, logger
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
-from arealite.utils.recover import read_json, safe_dcp_reader, write_json
+from arealite.utils.safe_state import read_json, safe_dcp_reader, write_json
 from arealite.utils.save_load import (
     atomic_dir,
     copy_non_weight_files,

@@ -9,24 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
+from arealite.api.io_struct import SaveLoadMeta
 from arealite.utils.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger(__name__)
-
-
-def _save_load_meta_cls() -> type:
-    # utils must not import the API layer; a TrainEngine exists only if its module (and so
-    # arealite.api.io_struct) has been imported, so we look the class up instead.
-    mod = sys.modules.get("arealite.api.io_struct")
-    if mod is None:
-        raise RuntimeError(
-            "Saver.save needs arealite.api.io_struct.SaveLoadMeta: pass a TrainEngine, or "
-            "Saver(..., meta_cls=YourMetaClass)"
-        )
-    return mod.SaveLoadMeta
 
 
 class Saver:
@@ -36,12 +24,11 @@ class Saver:
     whose `steps_per_epoch` tells when an epoch ends.
     """
 
-    def __init__(self, config: Any, ft_spec: Any, run_dir: str, meta_cls: type | None = None):
+    def __init__(self, config: Any, ft_spec: Any, run_dir: str):
         self.config = config
         self.ft_spec = ft_spec
         self.run_dir = run_dir
         self.freq_ctl = EpochStepTimeFreqCtl.from_config(config)
-        self._meta_cls = meta_cls
 
     @staticmethod
     def get_save_path(run_dir: str, epoch: int, global_step: int, name: str | None = None) -> str:
@@ -69,8 +56,7 @@ class Saver:
         if not (due or force):
             return None
         path = self.get_save_path(self.run_dir, epoch, global_step, name)
-        meta_cls = self._meta_cls or _save_load_meta_cls()
-        meta = meta_cls(
+        meta = SaveLoadMeta(
             path=path, weight_format="hf", tokenizer=tokenizer, base_model_path=base_model_path
         )
         engine.save(meta)

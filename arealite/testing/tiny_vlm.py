@@ -9,7 +9,7 @@ tokens), a PIL-backend image processor capped at 112x112 pixels (so any image be
 Qwen2-VL (not 2.5-VL) because its vision tower is the simplest (no window attention, no fullatt
 block list) and SGLang/vLLM serve it with the same processor contract.
 
-Usage: ``python -m arealite.utils.tiny_vlm OUT_DIR``
+Usage: ``python -m arealite.testing.tiny_vlm OUT_DIR``
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import argparse
 import json
 import os
 
-from arealite.utils.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_tokenizer
+from arealite.testing.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_tokenizer
+from arealite.utils.vision import load_vlm_processor
 
 # Qwen2-VL's extra special tokens, in its own order; the processor needs <|image_pad|> and
 # <|video_pad|>, the chat template <|vision_start|> / <|vision_end|>.
@@ -113,55 +114,6 @@ def _patch_json(out_dir: str, name: str, **updates) -> None:
     cfg.update(updates)
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
-
-
-def load_vlm_processor(path: str):
-    """`AutoProcessor.from_pretrained(path)`, with an image-only fallback where torchvision is missing.
-
-    transformers 5 cannot build any Qwen2-VL / Qwen2.5-VL processor without torchvision (the video
-    processor is mandatory and torchvision-only), and PyPI's Linux torchvision wheels are CUDA builds
-    that do not import beside a `+cpu` torch. Images only need the PIL image processor, so without
-    torchvision we build the same processor class with `video_processor=None`: identical
-    input_ids / pixel_values / image_grid_thw for images; videos are unsupported there.
-    """
-    from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
-    return _load_image_only_processor(path)
-
-
-def _load_image_only_processor(path: str):
-    import transformers
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    with open(os.path.join(path, "preprocessor_config.json")) as f:
-        name = json.load(f).get("processor_class", "Qwen2VLProcessor")
-    base = getattr(transformers, name, None)
-    if base is None or "video_processor" not in base.get_attributes():
-        # Processors without a video processor do not need torchvision: the auto class works.
-        return transformers.AutoProcessor.from_pretrained(path)
-
-    class ImageOnlyProcessor(base):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"{name}ImageOnly"
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    template_path = os.path.join(path, "chat_template.jinja")
-    chat_template = tokenizer.chat_template
-    if os.path.exists(template_path):
-        with open(template_path) as f:
-            chat_template = f.read()
-    return ImageOnlyProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(path),
-        tokenizer=tokenizer,
-        video_processor=None,
-        chat_template=chat_template,
-    )
 
 
 def build_tiny_vlm(

@@ -9,7 +9,7 @@ which swaps in Qwen's own normalizer and pre-tokenizer whatever `tokenizer.json`
 with exactly that pipeline (NFC, Qwen's split regex, ByteLevel without its own regex): the ids are
 then the same whichever tokenizer class (or transformers version, e.g. inside vLLM) loads it.
 
-Usage: ``python -m arealite.utils.tiny_model OUT_DIR [--hidden-size 256 --layers 4]``
+Usage: ``python -m arealite.testing.tiny_model OUT_DIR [--hidden-size 256 --layers 4]``
 """
 
 from __future__ import annotations
