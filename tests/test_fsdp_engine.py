@@ -251,7 +251,7 @@ def test_upload_weights_disk_is_sharded_and_replaces_atomically(make_engine, tmp
 
 
 @pytest.mark.integration
-def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_path, monkeypatch):
+def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_path):
     """Disk and distributed (gloo: NCCL's CPU stand-in) updates into the embedded server; this
     test plays the rollout side's HTTP calls. Afterwards trainer and server logprobs agree."""
     from arealite.server.process import launch_server
@@ -285,7 +285,7 @@ def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_p
         )
         meta.nccl_param_specs = engine.nccl_param_specs(meta.bucket_size_mb)
         assert len(meta.nccl_param_specs) > 1
-        monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", server.address)  # group size from the server
+        meta.nccl_world_size = 2  # trainer rank 0 + the server's one rank
 
         def rollout_side():
             init = {"master_address": "127.0.0.1", "master_port": meta.nccl_master_port,

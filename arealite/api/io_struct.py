@@ -10,7 +10,7 @@ import dataclasses
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 
 @dataclass
@@ -106,9 +106,31 @@ class ModelResponse:
         return len(self.output_tokens)
 
 
+class ParamSpec(NamedTuple):
+    """One tensor of an NCCL weight broadcast: checkpoint name, shape, dtype name ("bfloat16").
+
+    A tuple, so JSON bodies and `zip(*bucket)` see (name, shape, dtype) as before."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+
+    @classmethod
+    def of(cls, spec: Any) -> ParamSpec:
+        """A ParamSpec from one, or from any (name, shape, dtype) triple (torch dtypes too)."""
+        name, shape, dtype = (spec.name, spec.shape, spec.dtype) if hasattr(spec, "name") else spec
+        return cls(str(name), [int(x) for x in shape], str(dtype).removeprefix("torch."))
+
+
 @dataclass
 class WeightUpdateMeta:
-    """How the trainer hands new weights to inference servers."""
+    """How the trainer hands new weights to inference servers.
+
+    NCCL: trainer rank 0 broadcasts `nccl_param_specs` (buckets in send order, from
+    `FSDPEngine.nccl_param_specs`) in a group of `nccl_world_size` ranks (1 + every server's
+    tensor-parallel ranks, from `RemoteInferenceEngine.nccl_world_size()`), so neither side
+    needs to ask the other over HTTP.
+    """
 
     type: Literal["disk", "nccl"] = "disk"
     path: str | None = None
@@ -118,8 +140,8 @@ class WeightUpdateMeta:
     nccl_master_port: int = 29600
     nccl_group_name: str = "arealite_weight_update"
     bucket_size_mb: int = 256
-    # Buckets of (name, shape, dtype) in the order trainer rank 0 broadcasts them (NCCL path).
-    nccl_param_specs: list = field(default_factory=list)
+    nccl_param_specs: list[list[ParamSpec]] = field(default_factory=list)
+    nccl_world_size: int | None = None
 
     @classmethod
     def from_disk(cls, path: str, version: int = 0) -> WeightUpdateMeta:
@@ -127,7 +149,12 @@ class WeightUpdateMeta:
 
     @classmethod
     def from_nccl(
-        cls, master_address: str, master_port: int, version: int = 0, bucket_size_mb: int = 256
+        cls,
+        master_address: str,
+        master_port: int,
+        version: int = 0,
+        bucket_size_mb: int = 256,
+        world_size: int | None = None,
     ) -> WeightUpdateMeta:
         return cls(
             type="nccl",
@@ -135,6 +162,7 @@ class WeightUpdateMeta:
             nccl_master_address=master_address,
             nccl_master_port=master_port,
             bucket_size_mb=bucket_size_mb,
+            nccl_world_size=world_size,
         )
 
     def __post_init__(self):
@@ -142,6 +170,16 @@ class WeightUpdateMeta:
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'nccl', got {self.type!r}")
         if self.type == "disk" and not self.path:
             raise ValueError("WeightUpdateMeta(type='disk') needs a path")
+
+    def param_buckets(self) -> list[list[ParamSpec]]:
+        """`nccl_param_specs` as ParamSpec buckets; ValueError when there are none."""
+        if not self.nccl_param_specs:
+            raise ValueError(
+                "WeightUpdateMeta(type='nccl') needs nccl_param_specs: the trainer's parameter "
+                "buckets as [[(name, shape, dtype), ...], ...] in broadcast order "
+                "(engine.nccl_param_specs(meta.bucket_size_mb))"
+            )
+        return [[ParamSpec.of(s) for s in bucket] for bucket in self.nccl_param_specs]
 
 
 @dataclass

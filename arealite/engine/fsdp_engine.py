@@ -12,13 +12,12 @@ import os
 import shutil
 from typing import Any
 
-import requests
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from arealite.api.cli_args import TrainEngineConfig
-from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
 from arealite.engine.base_hf_engine import BaseHFEngine, build_optimizer, load_hf_model, logger
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
@@ -34,8 +33,6 @@ from arealite.utils.save_load import (
     write_safetensors_shards,
 )
 from arealite.utils.vision import checkpoint_to_module_names
-
-SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
 
 
 class FSDPEngine(BaseHFEngine):
@@ -219,7 +216,7 @@ class FSDPEngine(BaseHFEngine):
         else:
             raise ValueError(f"unknown weight update type {meta.type!r}")
 
-    def nccl_param_specs(self, bucket_size_mb: int | None = None) -> list[list[tuple]]:
+    def nccl_param_specs(self, bucket_size_mb: int | None = None) -> list[list[ParamSpec]]:
         """The broadcast plan: buckets of (checkpoint name, shape, dtype) in send order. Goes
         into `WeightUpdateMeta.nccl_param_specs` so the rollout side can tell each server what
         to receive while `upload_weights` sends it (metadata only, no collective)."""
@@ -229,7 +226,7 @@ class FSDPEngine(BaseHFEngine):
                 n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in bucket
             }
             named = _to_original_names(self.model, meta_tensors)
-            plan.append([(n, list(t.shape), _dtype_name(t.dtype)) for n, t in named.items()])
+            plan.append([ParamSpec.of((n, t.shape, t.dtype)) for n, t in named.items()])
         return plan
 
     def _broadcast_weights(self, meta: WeightUpdateMeta) -> None:
@@ -239,8 +236,7 @@ class FSDPEngine(BaseHFEngine):
         gather each bucket and rank 0 broadcasts it (src 0) in that group. NCCL on GPU; gloo on
         CPU (the embedded server accepts backend 'gloo')."""
         specs = self.nccl_param_specs(meta.bucket_size_mb)
-        given = getattr(meta, "nccl_param_specs", None)
-        if given and _normalise_specs(given) != specs:
+        if meta.nccl_param_specs and meta.param_buckets() != specs:
             raise ValueError(
                 "meta.nccl_param_specs differ from this trainer's plan (bucket_size_mb or model "
                 "mismatch): fill them with engine.nccl_param_specs(meta.bucket_size_mb)"
@@ -260,11 +256,16 @@ class FSDPEngine(BaseHFEngine):
         key = (meta.nccl_master_address, meta.nccl_master_port, meta.nccl_group_name)
         if self._weight_group is not None and self._weight_group[0] == key:
             return
-        world = getattr(meta, "nccl_world_size", None) or _servers_world_size()
+        if not meta.nccl_world_size:
+            raise ValueError(
+                "nccl weight update needs meta.nccl_world_size (trainer rank 0 plus every "
+                "server's tensor-parallel ranks): fill it with the rollout engine's "
+                "nccl_world_size()"
+            )
         group = du.init_custom_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
             f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
-            world,
+            meta.nccl_world_size,
             0,
             meta.nccl_group_name,
         )
@@ -279,35 +280,3 @@ def _to_original_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, tor
     except ImportError:  # older transformers: module names are checkpoint names
         return tensors
     return revert_weight_conversion(model, tensors)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _normalise_specs(specs) -> list[list[tuple]]:
-    out = []
-    for bucket in specs:
-        rows = []
-        for s in bucket:
-            name, shape, dtype = (s.name, s.shape, s.dtype) if hasattr(s, "name") else s
-            rows.append((str(name), [int(x) for x in shape], str(dtype).removeprefix("torch.")))
-        out.append(rows)
-    return out
-
-
-def _servers_world_size() -> int:
-    """1 (trainer rank 0) + every server's TP ranks, servers from $AREAL_LLM_SERVER_ADDRS."""
-    addrs = [a for a in os.environ.get(SERVER_ADDRS_ENV, "").split(",") if a.strip()]
-    if not addrs:
-        raise ValueError(
-            f"nccl weight update: set meta.nccl_world_size or ${SERVER_ADDRS_ENV} (the group "
-            "is trainer rank 0 plus every server's tensor-parallel ranks)"
-        )
-    key = os.environ.get("AREAL_SERVER_API_KEY")  # set by the launchers (embedded servers)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    tp = []
-    for a in addrs:
-        r = requests.get(f"http://{a.strip()}/get_server_info", timeout=30, headers=headers)
-        tp.append(int(r.json().get("tp_size", 1)) if r.ok else 1)
-    return 1 + sum(tp)
