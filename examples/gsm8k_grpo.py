@@ -126,9 +126,12 @@ def main(
     # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)
-    recover = RecoverHandler(config.recover, ft_spec, config.run_dir)
-    recover_extra = {"workflow": workflow}  # its reward counters continue across restarts
-    start = recover.load(actor, train_loader, rollout, saver, evaluator, extra=recover_extra)
+    states = {
+        "model": actor, "dataloader": train_loader, "rollout": rollout.executor, "saver": saver,
+        "evaluator": evaluator, "workflow": workflow,  # its reward counters continue
+    }  # fmt: skip
+    recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
+    start = recover.load()
     if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
         actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
         if rank == 0:
@@ -194,8 +197,7 @@ def main(
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
         logger.commit(epoch, step, global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
-        recover.dump(actor, train_loader, rollout, saver, evaluator, global_step + 1,
-                     extra=recover_extra)  # fmt: skip
+        recover.dump(global_step + 1)
 
     # Export the final policy; the summary (and curves.png) sit next to metrics.jsonl.
     saver.save(actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)

@@ -66,8 +66,9 @@ def main(argv: list[str], load_processor=None) -> None:
     engine.initialize(None, ft_spec)
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)
-    recover = RecoverHandler(config.recover, ft_spec, config.run_dir)
-    start = recover.load(engine, train_loader, None, saver, evaluator)
+    states = {"model": engine, "dataloader": train_loader, "saver": saver, "evaluator": evaluator}
+    recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
+    start = recover.load()
     logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
                          total_steps=total_steps, exp_config=config)  # fmt: skip
 
@@ -95,7 +96,7 @@ def main(argv: list[str], load_processor=None) -> None:
         stats.update(stats_tracker.export())
         logger.commit(epoch, step, global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
-        recover.dump(engine, train_loader, None, saver, evaluator, global_step + 1)
+        recover.dump(global_step + 1)
 
     saver.save(engine, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
     logger.close()

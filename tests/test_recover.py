@@ -270,9 +270,9 @@ def pulled_and_pending(run_dir, per_pull: int) -> tuple[list[str], set[str]]:
                             n_operands=2)  # fmt: skip
     order = [ds[i]["query_id"] for i in ResumableSampler(len(ds), True, seed=1)]
     state = json.loads((run_dir / "recover" / "checkpoint" / "rank0.json").read_text())
-    end = state["dataloader"]["_sampler_iter_state"]["sampler_state"]
+    end = state["states"]["dataloader"]["_sampler_iter_state"]["sampler_state"]
     assert end["epoch"] == 0, "the test stays within one epoch"
-    rollout = state["rollout"]
+    rollout = state["states"]["rollout"]
     if rollout["position"] is None:
         return order[: end["offset"]], set()
     first = rollout["position"]["_sampler_iter_state"]["sampler_state"]["offset"]
@@ -475,15 +475,16 @@ engine = FSDPEngine(cfg)
 engine.initialize(None, spec)
 loader = StatefulDataLoader(list(range(64)), batch_size=8)
 it = iter(loader); next(it)
-recover = RecoverHandler(RecoverConfig(mode="auto", freq_steps=1), spec, run_dir)
-recover.dump(engine, loader, None, None, None, 1)
+states = {"model": engine, "dataloader": loader}
+recover = RecoverHandler(RecoverConfig(mode="auto", freq_steps=1), spec, run_dir, states)
+recover.dump(1)
 # A full disk from here on: files may not grow beyond 64 KiB (writes fail with EFBIG).
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
 next(it)
 try:
-    recover.dump(engine, loader, None, None, None, 2)
+    recover.dump(2)
     error = None
 except RecoverError as e:
     error = str(e)
@@ -491,7 +492,8 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 fresh = FSDPEngine(cfg)
 fresh.initialize(None, spec)
 loader2 = StatefulDataLoader(list(range(64)), batch_size=8)
-start = RecoverHandler(RecoverConfig(mode="auto"), spec, run_dir).load(fresh, loader2, None, None, None)
+states2 = {"model": fresh, "dataloader": loader2}
+start = RecoverHandler(RecoverConfig(mode="auto"), spec, run_dir, states2).load()
 print(json.dumps({"error": error, "start": start, "next": next(iter(loader2)).tolist()}))
 """
 
@@ -612,7 +614,7 @@ def test_a_kill_between_the_swap_renames_loses_no_checkpoint(tmp_path):
     from arealite.api.cli_args import RecoverConfig
     from arealite.trainer.recover import COMPLETE, RecoverHandler
 
-    handler = RecoverHandler(RecoverConfig(mode="auto"), None, str(tmp_path))
+    handler = RecoverHandler(RecoverConfig(mode="auto"), None, str(tmp_path), {})
     root = tmp_path / "recover"
     (root / ".checkpoint.old-123").mkdir(parents=True)
     (root / ".checkpoint.old-123" / "rank0.json").write_text("old")
@@ -630,3 +632,46 @@ def test_a_kill_between_the_swap_renames_loses_no_checkpoint(tmp_path):
     (staged / COMPLETE).write_text("{}")
     handler._repair()  # a complete staged one is the newest
     assert (root / "checkpoint" / "rank0.json").read_text() == "new"
+
+
+class _Counter:
+    """A minimal Stateful: what a script's own objects (a workflow's counters) look like."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def test_named_states_are_restored_and_a_missing_name_is_refused(tmp_path):
+    """`states` is given once; dump/load take no objects. A resumed run that names a state the
+    checkpoint lacks fails naming it (and what the checkpoint holds); objects without
+    state_dict/load_state_dict are refused up front."""
+    from arealite.api.cli_args import RecoverConfig
+    from arealite.api.io_struct import FinetuneSpec
+    from arealite.trainer.recover import COMPLETE, RecoverError, RecoverHandler
+
+    spec, cfg = FinetuneSpec(1, 8, 2), RecoverConfig(mode="auto", freq_steps=1)
+    a, b = _Counter(3), _Counter(7)
+    handler = RecoverHandler(cfg, spec, str(tmp_path), {"a": a, "b": b})
+    assert handler.load() == 0  # nothing yet: a fresh start
+    assert handler.dump(2)
+    assert (tmp_path / "recover" / "checkpoint" / COMPLETE).exists()
+
+    a2, b2 = _Counter(), _Counter()
+    assert RecoverHandler(cfg, spec, str(tmp_path), {"a": a2, "b": b2}).load() == 2
+    assert (a2.n, b2.n) == (3, 7)
+
+    with pytest.raises(RecoverError, match=r"no state for 'c' \(it holds \['a', 'b'\]\)"):
+        RecoverHandler(cfg, spec, str(tmp_path), {"a": a2, "c": _Counter()}).load()
+    with pytest.raises(TypeError, match="recover state 'x' is a list"):
+        RecoverHandler(cfg, spec, str(tmp_path), {"x": []})
+    with pytest.raises(ValueError, match="recover state name 'a/b'"):
+        RecoverHandler(cfg, spec, str(tmp_path), {"a/b": a})
+    resume = RecoverConfig(mode="resume")
+    with pytest.raises(FileNotFoundError, match="recover.mode=resume but no recover checkpoint"):
+        RecoverHandler(resume, spec, str(tmp_path / "other"), {"a": a}).load()

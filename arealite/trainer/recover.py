@@ -1,26 +1,36 @@
 """Recover checkpoints: kill a run at any moment, rerun the same command, and it continues.
 
-A recover checkpoint is one directory `<run_dir>/recover/checkpoint` holding
-- `model/`: the trainer's DCP checkpoint (model + optimizer + LR scheduler + RNG, every rank);
-- `rank<r>.json`: per rank, the dataloader position, the rollout executor's state (staleness
-  counters and the data items it had pulled but the trainer had not consumed yet), the saver /
-  evaluator timers and the next step to run (which is also the stats logger's first step).
+The script names everything a resumed run needs once, in `states` (torchtitan's
+CheckpointManager is the model): `TrainEngine`s are saved as DCP checkpoints, anything else with
+`state_dict()` / `load_state_dict()` as JSON. A recover checkpoint is one directory
+`<run_dir>/recover/checkpoint` holding
+- `<name>/` per TrainEngine: its DCP checkpoint (model + optimizer + LR scheduler + RNG, every rank);
+- `rank<r>.json`: per rank, the state of every other named object (dataloader position, the
+  rollout executor's staleness counters and the items it had pulled but the trainer had not
+  consumed yet, saver / evaluator timers, ...) and the next step to run (which is also the stats
+  logger's first step);
+- `COMPLETE.json`, written last.
 It is written into a staging directory and swapped in only when complete, so a crash (or a full
-disk) during the write leaves the previous checkpoint intact. Only JSON and DCP files are
-written, and nothing is unpickled on load: JSON for our state, and DCP's `.metadata` pickle is
-read by an unpickler that admits only DCP's own metadata classes (`SafeDCPReader`).
+disk) during the write leaves the previous checkpoint intact, and a kill between the swap's two
+renames is repaired on the next start. Only JSON and DCP files are written, and nothing is
+unpickled on load (see arealite/utils/safe_state.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
-from arealite.api.io_struct import SaveLoadMeta
+from arealite.api.cli_args import RecoverConfig
+from arealite.api.engine_api import TrainEngine
+from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
 from arealite.utils import distributed as du
 from arealite.utils.safe_state import read_json, write_json
 from arealite.utils.save_load import swap_in, tmp_sibling
@@ -28,8 +38,9 @@ from arealite.utils.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger("arealite.recover")
 
-STATE_FORMAT = 2  # bump when rank<r>.json changes incompatibly
+STATE_FORMAT = 3  # bump when rank<r>.json changes incompatibly
 COMPLETE = "COMPLETE.json"  # written last into a staged checkpoint: every rank's part is there
+_STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # also a directory name for engines
 
 
 # ----------------------------------------------------------------------------- data order
@@ -77,26 +88,49 @@ class RecoverError(RuntimeError):
 class RecoverHandler:
     """Writes recover checkpoints on a schedule and restores the newest one on start.
 
-    `config` is a RecoverConfig (mode disabled | auto | resume, freq_*): `auto` resumes when a
-    valid checkpoint exists and starts fresh otherwise; `resume` requires one.
+    `config.mode`: `auto` resumes when a valid checkpoint exists and starts fresh otherwise;
+    `resume` requires one; `disabled` does nothing. `states` maps names to what is saved, e.g.
+    {"model": actor, "dataloader": loader, "rollout": executor, "saver": saver,
+    "evaluator": evaluator, "workflow": workflow}; a resumed run must pass the same names.
     """
 
-    def __init__(self, config: Any, ft_spec: Any, run_dir: str):
+    def __init__(
+        self,
+        config: RecoverConfig,
+        ft_spec: FinetuneSpec,
+        run_dir: str,
+        states: Mapping[str, TrainEngine | Stateful],
+    ):
         self.config = config
         self.ft_spec = ft_spec
         self.path = os.path.join(run_dir, "recover", "checkpoint")
         self.freq_ctl = EpochStepTimeFreqCtl.from_config(config)
         self.enabled = config.mode != "disabled"
+        self.engines: dict[str, TrainEngine] = {}
+        self.stateful: dict[str, Stateful] = {}
+        for name, obj in states.items():
+            if not _STATE_NAME.match(name):
+                raise ValueError(f"recover state name {name!r} must match {_STATE_NAME.pattern}")
+            if isinstance(obj, TrainEngine):
+                self.engines[name] = obj
+            elif isinstance(obj, Stateful):
+                self.stateful[name] = obj
+            else:
+                raise TypeError(
+                    f"recover state {name!r} is a {type(obj).__name__}: pass a TrainEngine or an "
+                    "object with state_dict() and load_state_dict()"
+                )
 
     def _state_path(self, root: str, rank: int | None = None) -> str:
         return os.path.join(root, f"rank{du.rank() if rank is None else rank}.json")
 
-    def dump(self, engine, dataloader, rollout, saver, evaluator, next_step: int,
-             force: bool = False, extra: dict[str, Any] | None = None) -> bool:  # fmt: skip
+    def _engine_meta(self, root: str, name: str) -> SaveLoadMeta:
+        return SaveLoadMeta(path=os.path.join(root, name), weight_format="dcp", with_optim=True)
+
+    def dump(self, next_step: int, force: bool = False) -> bool:
         """After a finished (and logged) step: write a checkpoint if due. Collective over
-        trainer ranks. `extra`: more objects with state_dict / load_state_dict (e.g. a
-        workflow's cumulative counters), by name. On failure (e.g. a full disk) every rank
-        raises RecoverError and the previous checkpoint is left as it was."""
+        trainer ranks. On failure (e.g. a full disk) every rank raises RecoverError and the
+        previous checkpoint is left as it was."""
         if not self.enabled:
             return False
         end_of_epoch = next_step % self.ft_spec.steps_per_epoch == 0
@@ -106,8 +140,7 @@ class RecoverHandler:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         try:
-            objs = (engine, dataloader, rollout, saver, evaluator, extra or {})
-            self._write(staged, *objs, next_step)
+            self._write(staged, next_step)
         except (Exception, CheckpointException) as e:
             if du.is_main():
                 shutil.rmtree(staged, ignore_errors=True)
@@ -118,7 +151,7 @@ class RecoverHandler:
         logger.info("recover checkpoint written for step %d: %s", next_step, self.path)
         return True
 
-    def _write(self, staged, engine, dataloader, rollout, saver, evaluator, extra, next_step):
+    def _write(self, staged: str, next_step: int) -> None:
         error = None
         if du.is_main():
             try:
@@ -127,19 +160,14 @@ class RecoverHandler:
             except OSError as e:
                 error = e
         du.raise_if_any_rank_failed(error)
-        engine.save(
-            SaveLoadMeta(path=os.path.join(staged, "model"), weight_format="dcp", with_optim=True)
-        )
+        for name, engine in self.engines.items():
+            engine.save(self._engine_meta(staged, name))
         state = {
             "format": STATE_FORMAT,
             "next_step": next_step,
             "world_size": du.world_size(),
-            "dataloader": dataloader.state_dict(),
-            "rollout": rollout.executor.state_dict() if rollout is not None else None,
-            "saver": saver.state_dict() if saver is not None else None,
-            "evaluator": evaluator.state_dict() if evaluator is not None else None,
             "recover": self.freq_ctl.state_dict(),
-            "extra": {name: obj.state_dict() for name, obj in extra.items()},
+            "states": {name: obj.state_dict() for name, obj in self.stateful.items()},
         }
         error = None
         try:
@@ -175,10 +203,9 @@ class RecoverHandler:
             return
         logger.warning("recover checkpoint restored after an interrupted swap: %s", self.path)
 
-    def load(self, engine, dataloader, rollout, saver, evaluator,
-             extra: dict[str, Any] | None = None) -> int:  # fmt: skip
-        """Restore the newest checkpoint (per `mode`); returns the step to start from (0 = fresh).
-        `extra` names the same objects `dump` was given."""
+    def load(self) -> int:
+        """Restore the newest checkpoint (per `mode`) into `states`; returns the step to start
+        from (0 = fresh). Every TrainEngine's version is set to that step."""
         if not self.enabled:
             return 0
         if du.is_main():
@@ -192,24 +219,23 @@ class RecoverHandler:
             logger.info("no recover checkpoint at %s: starting fresh", self.path)
             return 0
         state = self._read_state()
-        engine.load(
-            SaveLoadMeta(
-                path=os.path.join(self.path, "model"), weight_format="dcp", with_optim=True
-            )
-        )
-        dataloader.load_state_dict(state["dataloader"])
-        if rollout is not None and state["rollout"] is not None:
-            rollout.executor.load_state_dict(state["rollout"])
-        if saver is not None and state["saver"] is not None:
-            saver.load_state_dict(state["saver"])
-        if evaluator is not None and state["evaluator"] is not None:
-            evaluator.load_state_dict(state["evaluator"])
+        saved = state["states"]
+        for name in self.engines:
+            if not os.path.isdir(os.path.join(self.path, name)):
+                raise RecoverError(f"recover checkpoint {self.path} has no engine {name!r}")
+        for name in self.stateful:
+            if name not in saved:
+                raise RecoverError(
+                    f"recover checkpoint {self.path} has no state for {name!r} (it holds "
+                    f"{sorted(saved)}): resume with the states the run was started with"
+                )
+        for name, engine in self.engines.items():
+            engine.load(self._engine_meta(self.path, name))
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(saved[name])
         self.freq_ctl.load_state_dict(state["recover"])
-        for name, obj in (extra or {}).items():
-            if name not in state["extra"]:
-                raise RecoverError(f"recover checkpoint {self.path} has no state for {name!r}")
-            obj.load_state_dict(state["extra"][name])
-        engine.set_version(state["next_step"])
+        for engine in self.engines.values():
+            engine.set_version(state["next_step"])
         logger.info("resumed from %s at step %d", self.path, state["next_step"])
         return state["next_step"]
 
