@@ -66,3 +66,76 @@ def test_failing_rank_fails_the_run(sft_args):
     p, _ = launch(sft_args, env={"PROBE_FAIL_RANK": "1"})
     assert p.returncode == 1
     assert "trainer failed" in p.stderr and "rank 1 exited with code 3" in p.stderr
+
+
+# ---- children die with their parent ---------------------------------------------------------------
+
+PARENT = """
+import os, subprocess, sys, time
+from arealite.utils.lifeline import die_with_parent
+child = [sys.executable, "-c", sys.argv[1]]
+kw = {"preexec_fn": die_with_parent} if sys.argv[2] == "pdeathsig" else {}
+p = subprocess.Popen(child, stdout=sys.stdout, **kw)
+time.sleep(600)
+"""
+WATCHER = """
+import subprocess, sys, time
+from arealite.utils.lifeline import watch_parent
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+watch_parent(interval=0.2)
+print(grandchild.pid, flush=True)
+time.sleep(600)
+"""
+SLEEPER = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+
+
+def gone_within(pids, seconds: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and
+                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def start_parent(child_code: str, how: str, env=None):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, child_code, how], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return parent, int(parent.stdout.readline())
+
+
+@pytest.mark.parametrize("how,child_code", [("pdeathsig", SLEEPER), ("plain", WATCHER)])
+def test_children_die_within_seconds_of_a_kill_9_of_their_parent(how, child_code):
+    """pdeathsig: how launchers start servers and torchrun agents; watch_parent: how trainer
+    workers (started by torchrun, not by us) notice, taking their own children along."""
+    import psutil
+
+    parent, pid = start_parent(child_code, how)
+    watched = [pid, *(c.pid for c in psutil.Process(parent.pid).children(recursive=True))]
+    parent.kill()
+    parent.wait()
+    assert gone_within(watched, 5), [psutil.Process(p).cmdline() for p in watched
+                                     if psutil.pid_exists(p)]  # fmt: skip
+
+
+def test_a_stale_launcher_heartbeat_ends_the_job(tmp_path):
+    """Jobs on other nodes (Slurm) cannot see the launcher's pid: its heartbeat file stops."""
+    import psutil
+
+    beat = tmp_path / "launcher.heartbeat"
+    beat.write_text("")
+    env = {"AREAL_LAUNCHER_HEARTBEAT": str(beat), "AREAL_LAUNCHER_HEARTBEAT_TTL": "1"}
+    parent, grandchild = start_parent(WATCHER, "plain", env)
+    try:
+        watcher = psutil.Process(parent.pid).children()[0].pid
+        assert gone_within([watcher, grandchild], 5)
+        assert parent.poll() is None  # the parent lives: only the heartbeat stopped
+    finally:
+        parent.kill()
+        parent.wait()

@@ -387,8 +387,9 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
 
     weights = str(tmp_path / "weights")
     shutil.copytree(tiny_model_dir_v2, weights)
-    a = launch_server(tiny_model_dir, dtype="float32")
-    b = launch_server(tiny_model_dir, dtype="float32")
+    roots = ["--allowed-weight-roots", str(tmp_path)]
+    a = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
+    b = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
     engine = RemoteSGLangEngine(InferenceEngineConfig(setup_timeout=120, request_retries=1))
     try:
         engine.initialize([a.address, b.address])
@@ -403,7 +404,7 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
 
         assert all(r.output_versions == [3] * 4 for r in asyncio.run(generate(4)))
         assert list(engine.failed) == [b.address]
-        b = launch_server(tiny_model_dir, port=b.port, dtype="float32")  # the original weights
+        b = launch_server(tiny_model_dir, port=b.port, dtype="float32", extra_args=roots)
         deadline = time.monotonic() + 60
         while engine.failed and time.monotonic() < deadline:
             time.sleep(0.2)

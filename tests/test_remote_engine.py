@@ -163,8 +163,11 @@ def test_addresses_from_environment(server, monkeypatch):
         RemoteSGLangEngine(InferenceEngineConfig()).initialize()
 
 
-def test_interrupted_generation_resumes_across_weight_update(tiny_model_dir, tiny_model_dir_v2):
-    server = launch_server(tiny_model_dir, api_key=API_KEY)
+def test_interrupted_generation_resumes_across_weight_update(
+    tiny_model_dir, tiny_model_dir_v2, tmp_path_factory
+):
+    roots = ["--allowed-weight-roots", str(tmp_path_factory.getbasetemp())]  # v2 lives there
+    server = launch_server(tiny_model_dir, api_key=API_KEY, extra_args=roots)
     engine = make_engine([server.address])
     try:
         greedy = gen(8, greedy=True)

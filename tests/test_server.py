@@ -250,7 +250,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(
     status, res = post(
         server, "/update_weights_from_disk", {"model_path": "/", "weight_version": 99}
     )
-    assert status == 400 and not res["success"] and "allowed-weight-roots" in res["message"]
+    assert status == 403 and not res["success"] and "allowed weight roots" in res["message"]
     status, res = post(
         server, "/update_weights_from_disk", {"model_path": tiny_model_dir + "_nope"}
     )
@@ -265,6 +265,70 @@ def test_update_weights_from_disk_changes_outputs_and_version(
     restored = generate(server, p, **sp)
     assert restored["output_ids"] == before["output_ids"]
     assert restored["meta_info"]["weight_version"] == v0 + 2
+
+
+@pytest.mark.integration
+def test_weight_versions_only_move_forward_unless_a_newer_owner_pushes(server, tiny_model_dir):
+    """A stray trainer cannot roll the weights back (409 naming both versions); the run's new
+    owner (a higher fencing token, e.g. a resumed run) may restore an older version."""
+
+    def push(version, **extra):
+        body = {"model_path": tiny_model_dir, "weight_version": version, **extra}
+        return post(server, "/update_weights_from_disk", body)
+
+    served = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
+    v = served["weight_version"] + 10
+    assert push(v)[0] == 200
+    status, res = push(v - 1)
+    assert status == 409 and not res["success"], res
+    assert f"version {v - 1} is older than the served version {v}" in res["message"]
+    assert res["served_version"] == v
+    assert push(v)[0] == 200  # the same version again (a resume, a re-admission) is fine
+
+    assert push(v - 5, fencing_token=7)[0] == 200  # a new owner restores its checkpoint
+    status, res = push(v + 1, fencing_token=6)  # the previous owner, still running somewhere
+    assert status == 409 and "fencing token 6 is older than 7" in res["message"], res
+    status, res = push(v - 6)  # no token: the current owner, so versions must not go back
+    assert status == 409, res
+    got = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
+    assert got["weight_version"] == v - 5
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir,
+                "fencing_token": "x"})[0] == 400  # fmt: skip
+
+
+@pytest.mark.integration
+def test_weights_load_only_from_allowed_roots_checked_before_reading(
+    tiny_model_dir, tiny_model_dir_v2, tmp_path
+):
+    """A standalone server loads only from its model's folder: outside paths, symlinks that
+    lead out and files that link out are refused with 403 before anything is read (a FIFO
+    outside the roots would block a reader forever)."""
+    import os
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    shutil.copytree(tiny_model_dir_v2, model / "step1")  # inside the root: allowed
+    (model / "escape").symlink_to(tiny_model_dir_v2, target_is_directory=True)
+    (model / "half").mkdir()
+    for f in os.listdir(tiny_model_dir_v2):
+        (model / "half" / f).symlink_to(os.path.join(tiny_model_dir_v2, f))
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        os.mkfifo(trap / f)
+    with launch_server(str(model), dtype="float32", api_key=API_KEY) as s:
+
+        def load(path, version):
+            return post(s, "/update_weights_from_disk",
+                        {"model_path": str(path), "weight_version": version}, timeout=20)  # fmt: skip
+
+        for path in ("/etc", trap, model / "escape", model / "half", tmp_path):
+            status, res = load(path, 1)
+            assert status == 403 and "outside the allowed weight roots" in res["message"], res
+        status, res = load(model / "step1", 1)
+        assert status == 200 and res["success"], res
+        assert s.alive()
 
 
 @pytest.mark.integration

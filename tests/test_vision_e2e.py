@@ -31,8 +31,9 @@ SAMPLES = 3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vlm_dir):
-    s = launch_server(tiny_vlm_dir, dtype="float32", extra_args=["--num-threads", "1"])
+def server(tiny_vlm_dir, tmp_path_factory):
+    roots = ["--allowed-weight-roots", str(tmp_path_factory.getbasetemp())]  # tests' weights
+    s = launch_server(tiny_vlm_dir, dtype="float32", extra_args=["--num-threads", "1", *roots])
     yield s
     s.stop()
 

@@ -32,6 +32,7 @@ from arealite.launcher.servers import (
     plan_servers,
     share_server_api_key,
     wait_healthy,
+    weight_roots,
 )
 from arealite.utils.network import find_free_port, find_free_ports
 
@@ -53,8 +54,7 @@ def start_servers(procs: ProcessSet, config, n_gpus: int) -> list[str]:
     """Start every inference server and wait until all are healthy; returns their addresses."""
     alloc = config.allocation
     ports = find_free_ports(alloc.gen_n_servers, config.server.host)
-    roots = [os.path.abspath(config.run_dir)]
-    specs = plan_servers(alloc, config.server, ports, roots, n_gpus)
+    specs = plan_servers(alloc, config.server, ports, weight_roots(config), n_gpus)
     threads = {} if n_gpus else {"OMP_NUM_THREADS": str(cpu_threads_per_process(config))}
     for s in specs:
         procs.start(f"server{s.index}", s.cmd, {**threads, **s.env}, critical=False)
@@ -152,6 +152,7 @@ def run(argv: list[str]) -> int:
             cmd = trainer_command(script, script_args, config.allocation.train_world_size, port)
             procs.start("trainer", cmd, trainer_env(config, addrs), stream=True)
             rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))
+            procs.kill_group("trainer")  # no worker of this attempt outlives its agent
             if rc == 0:
                 logger.info("trainer finished; logs in %s", log_dir)
                 return 0

@@ -1,5 +1,6 @@
 """Child processes that live and die together: each in its own session, logged to a file,
-torn down as a group on exit, on Ctrl-C, or as soon as any one of them fails."""
+torn down as a group on exit, on Ctrl-C, or as soon as any one of them fails; and killed by the
+kernel when the launcher itself is killed (`die_with_parent`), so a `kill -9` leaves no orphans."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from arealite.utils.lifeline import die_with_parent
 
 logger = logging.getLogger("arealite.launcher")
 
@@ -73,9 +76,12 @@ class ProcessSet:
         log_file.write(f"$ {' '.join(cmd)}\n".encode())
         log_file.flush()
         out = subprocess.PIPE if stream else log_file
+        # Called from the launcher's main thread, which lives as long as the launcher: the
+        # parent-death signal fires exactly when the launcher dies.
         popen = subprocess.Popen(
-            cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
         child = Child(name, popen, log_path, critical, cmd=list(cmd), env=dict(env or {}))
         if stream:
             t = threading.Thread(target=_tee, args=(popen.stdout, log_file, ""), daemon=True)
@@ -108,6 +114,13 @@ class ProcessSet:
                 if on_death is not None:
                     on_death(child)
             time.sleep(poll)
+
+    def kill_group(self, name: str) -> None:
+        """SIGKILL what is left of a child's process group: when a torchrun agent dies, its
+        workers stay in its group (and would train on as orphans) until this."""
+        child = self.children.get(name)
+        if child is not None:
+            _signal_group(child.popen, signal.SIGKILL)
 
     def stop(self, name: str, grace: float = 10.0) -> None:
         child = self.children.get(name)

@@ -14,7 +14,6 @@ launcher exits non-zero naming it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shlex
@@ -34,7 +33,13 @@ from arealite.launcher.process import (
     log_tail,
     run_launcher,
 )
-from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
+from arealite.launcher.servers import (
+    server_command,
+    share_server_api_key,
+    wait_healthy,
+    weight_roots,
+)
+from arealite.utils.lifeline import die_with_parent
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
 
@@ -57,14 +62,6 @@ PLACEMENT_TIMEOUT = 300.0
 SERVER_KEEPALIVE_TTL = 30.0
 # Stands for the Python of the Ray worker (the node's own interpreter) in a command line.
 PYTHON = "{python}"
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the actor process dies (Linux)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class ProcessActor:
@@ -109,7 +106,7 @@ class ProcessActor:
             try:
                 self.popen = subprocess.Popen(
                     cmd, env={**os.environ, **env}, cwd=cwd, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
                 )  # fmt: skip
             except OSError as e:
                 box["error"] = e
@@ -261,7 +258,7 @@ class RayRun:
             a = self.actor(f"server{i}", pg, i, b["CPU"], b.get("GPU", 0))
             key = server_key(cfg.experiment_name, cfg.trial_name, i)
             ref = a.serve.remote(
-                alloc.gen_backend, cfg.server, tp, [self.run_dir], key,
+                alloc.gen_backend, cfg.server, tp, weight_roots(cfg), key,
                 cfg.cluster.name_resolve, os.path.abspath(cfg.cluster.fileroot), os.getcwd(), env,
             )  # fmt: skip
             refs[ref] = f"server{i}"

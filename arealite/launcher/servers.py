@@ -34,6 +34,19 @@ def share_server_api_key(config) -> None:
     os.environ[SERVER_API_KEY_ENV] = key or secrets.token_hex(16)
 
 
+# Where the entry points publish weights for the servers (`<run_dir>/weight_sync`).
+WEIGHT_SYNC_DIR = "weight_sync"
+
+
+def weight_roots(config) -> list[str]:
+    """The only places a launched server may load weights from: the run's weight directory and
+    the initial model (a restarted server reloads it before the current weights)."""
+    roots = [os.path.abspath(os.path.join(config.run_dir, WEIGHT_SYNC_DIR))]
+    if config.server.model_path:
+        roots.append(os.path.abspath(config.server.model_path))
+    return roots
+
+
 @dataclass
 class ServerSpec:
     """One inference server to start: its command line, address and log file."""

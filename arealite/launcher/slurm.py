@@ -42,7 +42,18 @@ from arealite.launcher.process import (
     log_tail,
     run_launcher,
 )
-from arealite.launcher.servers import server_command, share_server_api_key, wait_healthy
+from arealite.launcher.servers import (
+    server_command,
+    share_server_api_key,
+    wait_healthy,
+    weight_roots,
+)
+from arealite.utils.lifeline import (
+    LAUNCHER_HEARTBEAT_ENV,
+    HeartbeatWriter,
+    die_with_parent,
+    watch_parent,
+)
 from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
 
@@ -116,7 +127,7 @@ def servers_script(config, plan: ClusterPlan, log_dir: str) -> str:
     ]
     lines += ["set -u", f"cd {shlex.quote(os.getcwd())}"]
     lines += _exports(dict(kv.split("=", 1) for kv in config.launcher.env_vars))
-    roots = [os.path.abspath(config.run_dir)]
+    roots = weight_roots(config)
     for i in range(alloc.gen_n_servers):
         cmd, env = server_command(
             alloc.gen_backend, config.server, HOST, PORT, tp, roots, on_gpu=plan.gpu
@@ -332,6 +343,11 @@ def run(argv: list[str]) -> int:
     install_signal_handlers(lambda signum: logger.warning("signal %d: cancelling the jobs", signum))
     repo = make_repository(config.cluster.name_resolve, config.cluster.fileroot)
     repo.clear_subtree(trial_root(config.experiment_name, config.trial_name))
+    # The jobs (which inherit this environment) exit when this launcher stops beating: a
+    # `kill -9` here runs no scancel, and they must not train on as orphans.
+    heartbeat = HeartbeatWriter(os.path.join(job.run_dir, "launcher.heartbeat"))
+    os.environ[LAUNCHER_HEARTBEAT_ENV] = heartbeat.path
+    heartbeat.start()
     try:
         addrs = []
         if not config.allocation.train_only:
@@ -345,6 +361,7 @@ def run(argv: list[str]) -> int:
         return 0
     finally:
         job.cancel_all()
+        heartbeat.stop()
 
 
 # ---------------------------------------------------------------------------- on the node
@@ -384,7 +401,8 @@ def register_and_run(argv: list[str]) -> int:
     cmd = [a.replace(HOST, host).replace(PORT, str(port)) for a in cmd]
     address = f"{host}:{port}"
     print(f"[register-and-run] starting {shlex.join(cmd)}", flush=True)
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+    watch_parent()  # the launcher's heartbeat: a killed launcher ends this server too
 
     def forward(signum, frame):
         child.send_signal(signum)

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=[],
         metavar="DIR",
-        help="update_weights_from_disk refuses paths outside these (repeatable; default: any)",
+        help="update_weights_from_disk refuses paths outside these with 403 (repeatable; "
+        "default: the --model-path folder; '/' allows any)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
     p.add_argument(

@@ -24,6 +24,12 @@ from arealite.server.protocol import (
     require_object,
 )
 from arealite.server.scheduler import Scheduler
+from arealite.server.weight_guard import (
+    VersionGate,
+    WeightRefused,
+    parse_fencing_token,
+    resolve_weight_dir,
+)
 from arealite.server.weight_sync import (
     Unsupported,
     WeightGroups,
@@ -89,7 +95,10 @@ class InferenceServer:
         self.runner = runner
         self.scheduler = scheduler
         self.options = options
-        self.allowed_roots = [os.path.realpath(r) for r in options.allowed_weight_roots]
+        # A standalone server loads only from its own model's folder unless told otherwise.
+        roots = options.allowed_weight_roots or [options.model_path]
+        self.allowed_roots = [os.path.realpath(r) for r in roots]
+        self.version_gate = VersionGate()
         self.weight_groups = WeightGroups(runner.device)
 
     def build_app(self) -> web.Application:
@@ -191,22 +200,27 @@ class InferenceServer:
         if not isinstance(path, str) or not path:
             raise BadRequest("model_path: required (a directory with the new weights)")
         version = parse_weight_version(body.get("weight_version"), self.scheduler.weight_version)
-        refusal = self._refuse_weight_path(path)
-        if refusal:
-            return web.json_response(
-                {"success": False, "message": refusal, "error": refusal}, status=400
-            )
+        token = parse_fencing_token(body.get("fencing_token"))
+        try:  # roots and versions are checked before anything is read or paused
+            real = resolve_weight_dir(path, self.allowed_roots)
+            self.version_gate.check(token, version, self.scheduler.weight_version)
+        except WeightRefused as e:
+            return self._refused(e)
         if body.get("abort_all_requests"):
             self.scheduler.abort(None)
 
-        def job() -> str:
-            message = self.runner.load_weights_from_disk(path)
+        def job() -> str:  # exclusive: concurrent updates are checked again in order
+            self.version_gate.check(token, version, self.scheduler.weight_version)
+            message = self.runner.load_weights_from_disk(real)
+            self.version_gate.accept(token)
             self.scheduler.set_weight_version(version)
             return message
 
         start = time.monotonic()
         try:
             message = await asyncio.wrap_future(self.scheduler.run_exclusive(job))
+        except WeightRefused as e:
+            return self._refused(e)
         except Exception as e:
             msg = f"model_path: failed to load weights from {path}: {e}"
             return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
@@ -215,15 +229,10 @@ class InferenceServer:
         )
         return web.json_response({"success": True, "message": message, "weight_version": version})
 
-    def _refuse_weight_path(self, path: str) -> str | None:
-        real = os.path.realpath(path)
-        if self.allowed_roots and not any(
-            os.path.commonpath([real, root]) == root for root in self.allowed_roots
-        ):
-            return f"model_path: {path} is outside --allowed-weight-roots {self.allowed_roots}"
-        if not os.path.isdir(real):
-            return f"model_path: {path} is not a directory"
-        return None
+    def _refused(self, e: WeightRefused) -> web.Response:
+        logger.warning("%s", e.message)
+        body = {"success": False, "message": e.message, "error": e.message, **e.detail}
+        return web.json_response(body, status=e.status)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         spec = parse_group_spec(decode_json_body(await request.read()))
