@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from arealite.server.model_runner import ModelRunner, Sequence
+from arealite.server.openai_api import OpenAIChatAPI
 from arealite.server.protocol import (
     BadRequest,
     decode_json_body,
@@ -123,6 +124,7 @@ class InferenceServer:
         app.router.add_get("/get_server_info", self.get_server_info)
         app.router.add_get("/get_weight_version", self.get_weight_version)
         app.router.add_get("/metrics", self.metrics)
+        OpenAIChatAPI(self.runner, self.scheduler, self.options.model_path).register(app)
         return app
 
     # ---- generation -------------------------------------------------------------------------
