@@ -138,3 +138,55 @@ def test_io_struct_validation():
         GenerationHyperparameters(max_new_tokens=-1)
     spec = FinetuneSpec(total_train_epochs=3, dataset_size=100, train_batch_size=8)
     assert spec.steps_per_epoch == 12 and spec.total_train_steps == 36
+
+
+@pytest.mark.parametrize(
+    "override,allowed",
+    [
+        ("cluster.name_resolve.type=etcd", "['nfs', 'ray']"),
+        ("recover.mode=always", "['disabled', 'auto', 'resume']"),
+        ("actor.kl_estimator=k4", "['k1', 'k2', 'k3']"),
+        ("actor.optimizer.lr_scheduler_type=exp", "['constant', 'linear', 'cosine']"),
+        ("actor.fsdp.param_dtype=fp8", "['float32', 'bfloat16', 'float16']"),
+        ("ref.dtype=int8", "['float32', 'bfloat16', 'float16']"),
+        ("train_dataset.too_long=truncate", "['drop', 'fail']"),
+        ("actor.preset=nope", "['grpo', 'dr_grpo', 'dapo', 'rloo', 'reinforce_pp', 'gspo', 'ppo']"),
+    ],
+)
+def test_choices_name_the_full_key_and_the_allowed_values(grpo_yaml, override, allowed):
+    """Choices are Literal types: the loader refuses a value outside them before anything
+    starts, naming the full dotted key, the value and every allowed value."""
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        load_expr_config(["--config", grpo_yaml, override], GRPOConfig)
+    assert str(e.value) == f"{key}={value!r} is not allowed; choose one of {allowed}"
+
+
+def test_choices_are_checked_for_configs_built_in_python():
+    from arealite.api.cli_args import RecoverConfig, StatsLoggerConfig, TrainEngineConfig
+
+    with pytest.raises(ConfigError, match=r"RecoverConfig\.mode='always' is not allowed"):
+        RecoverConfig(mode="always")
+    with pytest.raises(ConfigError, match=r"choose one of \['disabled', 'cloud', 'local'\]"):
+        StatsLoggerConfig(swanlab_mode="online")
+    with pytest.raises(ConfigError, match=r"TrainEngineConfig\.attn_impl='flash'"):
+        TrainEngineConfig(attn_impl="flash")
+    assert TrainEngineConfig(dtype="bfloat16").dtype == "bfloat16"  # plain strings, not enums
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["train_dataset.num_workers", "train_dataset.type", "weight_update", "actor.backend",
+     "actor.optimizer.type", "cluster.name_resolve.etcd_address"],
+)  # fmt: skip
+def test_keys_that_did_nothing_are_gone(grpo_yaml, key):
+    with pytest.raises(ConfigError, match=f"Unknown config key {key!r}"):
+        load_expr_config(["--config", grpo_yaml, f"{key}=1"], GRPOConfig)
+
+
+def test_every_preset_name_has_values():
+    from typing import get_args
+
+    from arealite.api.presets import ACTOR_PRESETS, PresetName
+
+    assert list(ACTOR_PRESETS) == list(get_args(PresetName))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from arealite.api.cli_args import NameResolveConfig
+from arealite.api.cli_args import ConfigError, NameResolveConfig
 from arealite.utils import name_resolve as nr
 
 
@@ -177,5 +177,7 @@ def test_make_repository(tmp_path):
     assert r.root == str(tmp_path / "name_resolve")
     custom = nr.make_repository(NameResolveConfig(nfs_record_root=str(tmp_path / "c")), "unused")
     assert custom.root == str(tmp_path / "c")
-    with pytest.raises(NotImplementedError, match="etcd3"):
-        nr.make_repository(NameResolveConfig(type="etcd"), str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"type='etcd' is not allowed; choose one of \['nfs', 'ray'\]"
+    ):
+        NameResolveConfig(type="etcd")  # no etcd backend: refused by the config, not later

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Literal, Optional
 
 from omegaconf import MISSING
 
-from arealite.api.config_loader import ConfigError, load_expr_config, to_yaml
+from arealite.api.config_loader import ConfigError, check_choices, load_expr_config, to_yaml
 from arealite.api.io_struct import AllocationMode, GenerationHyperparameters
+from arealite.api.presets import ACTOR_PRESETS, PresetName
 
 __all__ = [
     "MISSING",
+    "ACTOR_PRESETS",
     "GenerationHyperparameters",
     "MicroBatchSpec",
     "OptimizerConfig",
@@ -50,16 +52,23 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class _Config:
+    """Base of every config: its `Literal[...]` fields are its choices, and the allowed values
+    show in the type, in the YAML loader's errors and in errors of configs built in Python."""
+
+    def __post_init__(self):
+        check_choices(self)
 
 
 # ----------------------------------------------------------------------------- training side
 
 
 @dataclass
-class MicroBatchSpec:
+class MicroBatchSpec(_Config):
     """How a batch is split into micro-batches (packed, padding-free)."""
 
     n_mbs: int = field(default=1, metadata=_help("Minimum number of micro-batches."))
@@ -69,6 +78,7 @@ class MicroBatchSpec:
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if self.n_mbs < 1:
             raise ConfigError(f"mb_spec.n_mbs must be >= 1, got {self.n_mbs}")
         if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
@@ -78,10 +88,9 @@ class MicroBatchSpec:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(_Config):
     """AdamW with warmup and a constant / linear / cosine schedule."""
 
-    type: str = field(default="adamw", metadata=_help("Optimizer: adamw."))
     lr: float = field(default=1e-5, metadata=_help("Peak learning rate."))
     weight_decay: float = field(default=0.01, metadata=_help("AdamW weight decay."))
     beta1: float = 0.9
@@ -90,8 +99,8 @@ class OptimizerConfig:
     min_lr_ratio: float = field(
         default=0.0, metadata=_help("Final LR as a fraction of peak (linear / cosine).")
     )
-    lr_scheduler_type: str = field(
-        default="constant", metadata=_help("constant | linear | cosine (after warmup).")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(
+        default="constant", metadata=_help("LR schedule after warmup.")
     )
     warmup_steps_proportion: float = field(
         default=0.0, metadata=_help("Fraction of total steps spent in linear warmup.")
@@ -101,10 +110,7 @@ class OptimizerConfig:
     )
 
     def __post_init__(self):
-        _choice("optimizer.type", self.type, ("adamw",))
-        _choice(
-            "optimizer.lr_scheduler_type", self.lr_scheduler_type, ("constant", "linear", "cosine")
-        )
+        super().__post_init__()
         if self.lr < 0:
             raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
         if not 0 <= self.warmup_steps_proportion <= 1:
@@ -116,39 +122,34 @@ class OptimizerConfig:
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(_Config):
     """FSDP2 knobs."""
 
-    param_dtype: str = field(
+    param_dtype: Dtype = field(
         default="bfloat16", metadata=_help("Mixed-precision parameter dtype (compute).")
     )
-    reduce_dtype: str = field(default="float32", metadata=_help("Gradient reduction dtype."))
+    reduce_dtype: Dtype = field(default="float32", metadata=_help("Gradient reduction dtype."))
     offload_params: bool = field(default=False, metadata=_help("CPU-offload parameters (GPU)."))
     reshard_after_forward: bool = True
 
-    def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype"):
-            _choice(f"fsdp.{name}", getattr(self, name), ("float32", "bfloat16", "float16"))
-
 
 @dataclass
-class TrainEngineConfig:
+class TrainEngineConfig(_Config):
     """A model trained by an FSDP2 engine."""
 
     path: str = field(default="", metadata=_help("HF model directory or hub id."))
     init_from_scratch: bool = field(
         default=False, metadata=_help("Random init from the config at `path` (no weights).")
     )
-    attn_impl: str = field(
+    attn_impl: Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"] = field(
         default="sdpa_varlen",
         metadata=_help(
             "Attention for packed micro-batches: sdpa_varlen (exact, per-sequence sdpa, any "
             "device) | flash_attention_2 (GPU) | sdpa / eager (dense block-diagonal mask)."
         ),
     )
-    dtype: str = field(default="float32", metadata=_help("Master weight dtype."))
+    dtype: Dtype = field(default="float32", metadata=_help("Master weight dtype."))
     gradient_checkpointing: bool = False
-    backend: str = field(default="fsdp", metadata=_help("Training backend: fsdp."))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: Optional[OptimizerConfig] = field(
@@ -159,21 +160,16 @@ class TrainEngineConfig:
         default=256, metadata=_help("Bucket size for gathering / broadcasting weights.")
     )
 
-    def __post_init__(self):
-        _choice("attn_impl", self.attn_impl, ("sdpa_varlen", "sdpa", "eager", "flash_attention_2"))
-        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        _choice("backend", self.backend, ("fsdp",))
-
 
 @dataclass
 class PPOActorConfig(TrainEngineConfig):
     """The policy: PPO / GRPO and their variants (see `preset`)."""
 
-    preset: Optional[str] = field(
+    preset: Optional[PresetName] = field(
         default=None,
         metadata=_help(
-            "Apply a named algorithm's defaults before validation: grpo | dr_grpo | dapo | rloo "
-            "| reinforce_pp | gspo | ppo. Explicit fields in the YAML still win."
+            "Apply a named algorithm's defaults (arealite/api/presets.py) before validation. "
+            "Explicit fields in the YAML still win."
         ),
     )
     group_size: int = field(default=1, metadata=_help("Samples per prompt (GRPO group)."))
@@ -186,8 +182,8 @@ class PPOActorConfig(TrainEngineConfig):
     c_clip: Optional[float] = field(
         default=None, metadata=_help("Dual-clip constant (> 1) for negative advantages.")
     )
-    importance_sampling_level: str = field(
-        default="token", metadata=_help("token (PPO) | sequence (GSPO).")
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token", metadata=_help("token (PPO) or sequence (GSPO).")
     )
     # Reward shaping.
     reward_scaling: float = 1.0
@@ -202,22 +198,24 @@ class PPOActorConfig(TrainEngineConfig):
     # Advantage estimation.
     discount: float = 1.0
     gae_lambda: float = 1.0
-    group_reward_mean_level: str = field(
-        default="group", metadata=_help("Reward baseline: batch | group | none.")
+    group_reward_mean_level: Literal["batch", "group", "none"] = field(
+        default="group", metadata=_help("Reward baseline.")
     )
-    group_reward_std_level: str = field(
-        default="group", metadata=_help("Reward std normaliser: batch | group | none.")
+    group_reward_std_level: Literal["batch", "group", "none"] = field(
+        default="group", metadata=_help("Reward std normaliser.")
     )
     leave_one_out: bool = field(default=False, metadata=_help("RLOO baseline within a group."))
-    adv_norm_mean_level: str = field(
-        default="none", metadata=_help("Token-level advantage mean norm: batch | none.")
+    adv_norm_mean_level: Literal["batch", "none"] = field(
+        default="none", metadata=_help("Token-level advantage mean norm.")
     )
-    adv_norm_std_level: str = field(
-        default="none", metadata=_help("Token-level advantage std norm: batch | none.")
+    adv_norm_std_level: Literal["batch", "none"] = field(
+        default="none", metadata=_help("Token-level advantage std norm.")
     )
     # KL to a reference model.
     kl_ctl: float = field(default=0.0, metadata=_help("KL penalty coefficient (needs ref)."))
-    kl_estimator: str = field(default="k1", metadata=_help("k1 | k2 | k3."))
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k1", metadata=_help("Schulman's KL estimators.")
+    )
     # Off-policy correction.
     recompute_logprob: bool = field(
         default=True, metadata=_help("Recompute logprobs with the current weights before update.")
@@ -234,15 +232,6 @@ class PPOActorConfig(TrainEngineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _choice(
-            "actor.importance_sampling_level", self.importance_sampling_level, ("token", "sequence")
-        )
-        levels = ("batch", "group", "none")
-        _choice("actor.group_reward_mean_level", self.group_reward_mean_level, levels)
-        _choice("actor.group_reward_std_level", self.group_reward_std_level, levels)
-        _choice("actor.adv_norm_mean_level", self.adv_norm_mean_level, ("batch", "none"))
-        _choice("actor.adv_norm_std_level", self.adv_norm_std_level, ("batch", "none"))
-        _choice("actor.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
         if self.group_size < 1:
             raise ConfigError(f"actor.group_size must be >= 1, got {self.group_size}")
         if self.ppo_n_minibatches < 1:
@@ -263,46 +252,6 @@ class PPOActorConfig(TrainEngineConfig):
             )
 
 
-# Algorithm presets: field values applied under a user's YAML (see PPOActorConfig.preset).
-ACTOR_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(group_reward_mean_level="group", group_reward_std_level="group"),
-    "dr_grpo": dict(group_reward_mean_level="group", group_reward_std_level="none"),
-    "dapo": dict(
-        group_reward_mean_level="group",
-        group_reward_std_level="group",
-        eps_clip=0.2,
-        eps_clip_higher=0.28,
-        dynamic_sampling=True,
-        overlong_reward_penalty=True,
-        overlong_tokens=64,
-        overlong_penalty_factor=1.0,
-    ),
-    "rloo": dict(
-        group_reward_mean_level="group", group_reward_std_level="none", leave_one_out=True
-    ),
-    "reinforce_pp": dict(
-        group_reward_mean_level="none",
-        group_reward_std_level="none",
-        adv_norm_mean_level="batch",
-        adv_norm_std_level="batch",
-    ),
-    "gspo": dict(
-        group_reward_mean_level="group",
-        group_reward_std_level="group",
-        importance_sampling_level="sequence",
-        eps_clip=3e-4,
-        eps_clip_higher=4e-4,
-    ),
-    "ppo": dict(
-        group_reward_mean_level="none",
-        group_reward_std_level="none",
-        adv_norm_mean_level="batch",
-        adv_norm_std_level="batch",
-        gae_lambda=0.95,
-    ),
-}
-
-
 @dataclass
 class PPOCriticConfig(TrainEngineConfig):
     """The value model for PPO (GAE)."""
@@ -316,7 +265,7 @@ class PPOCriticConfig(TrainEngineConfig):
 
 
 @dataclass
-class InferenceEngineConfig:
+class InferenceEngineConfig(_Config):
     """The rollout client and its staleness control."""
 
     server_addrs: list[str] = field(
@@ -342,6 +291,7 @@ class InferenceEngineConfig:
     reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
 
     def __post_init__(self):
+        super().__post_init__()
         if self.consumer_batch_size < 1:
             raise ConfigError(
                 f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}"
@@ -357,11 +307,11 @@ class InferenceEngineConfig:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(_Config):
     """How the launcher starts inference servers (embedded, SGLang or vLLM)."""
 
     model_path: str = field(default="", metadata=_help("Defaults to actor.path."))
-    dtype: str = field(default="bfloat16", metadata=_help("Server weight dtype."))
+    dtype: Dtype = field(default="bfloat16", metadata=_help("Server weight dtype."))
     host: str = field(default="127.0.0.1", metadata=_help("Bind address."))
     max_batch_size: int = field(default=64, metadata=_help("Embedded server batch cap."))
     mem_fraction_static: float = field(default=0.8, metadata=_help("SGLang KV memory fraction."))
@@ -371,29 +321,24 @@ class ServerConfig:
     )
     startup_timeout: float = field(default=300.0, metadata=_help("Seconds to become healthy."))
 
-    def __post_init__(self):
-        _choice("server.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-
 
 # ----------------------------------------------------------------------------- data and services
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(_Config):
     path: str = field(
         default="", metadata=_help("HF hub id, local dir, jsonl/parquet file, or 'arith'.")
     )
-    type: str = field(default="rl", metadata=_help("rl | sft."))
     split: str = "train"
     batch_size: int = field(default=8, metadata=_help("Prompts per step (global)."))
     shuffle: bool = True
-    num_workers: int = 0
     drop_last: bool = True
     max_length: Optional[int] = field(
         default=None, metadata=_help("Rows longer than this (tokens) are dropped or fail.")
     )
-    too_long: str = field(
-        default="drop", metadata=_help("Rows over max_length: drop (counted, logged) | fail.")
+    too_long: Literal["drop", "fail"] = field(
+        default="drop", metadata=_help("Rows over max_length: dropped (counted, logged) or fail.")
     )
     # Synthetic arithmetic task knobs (path='arith').
     size: int = field(default=2000, metadata=_help("Rows of a synthetic dataset."))
@@ -402,14 +347,13 @@ class DatasetConfig:
     n_operands: int = 2
 
     def __post_init__(self):
-        _choice("dataset.type", self.type, ("rl", "sft"))
-        _choice("dataset.too_long", self.too_long, ("drop", "fail"))
+        super().__post_init__()
         if self.batch_size < 1:
             raise ConfigError(f"dataset.batch_size must be >= 1, got {self.batch_size}")
 
 
 @dataclass
-class _FreqConfig:
+class _FreqConfig(_Config):
     freq_epochs: Optional[int] = field(default=None, metadata=_help("Every N epochs."))
     freq_steps: Optional[int] = field(default=None, metadata=_help("Every N steps."))
     freq_secs: Optional[int] = field(default=None, metadata=_help("Every N seconds."))
@@ -429,39 +373,33 @@ class EvaluatorConfig(_FreqConfig):
 class RecoverConfig(_FreqConfig):
     """Recover checkpoints (resume after a crash)."""
 
-    mode: str = field(default="disabled", metadata=_help("disabled | auto | resume."))
+    mode: Literal["disabled", "auto", "resume"] = field(
+        default="disabled",
+        metadata=_help("auto: resume if a checkpoint exists; resume: require one."),
+    )
     retries: int = field(default=3, metadata=_help("Launcher retries of a failed run."))
 
-    def __post_init__(self):
-        _choice("recover.mode", self.mode, ("disabled", "auto", "resume"))
-
 
 @dataclass
-class StatsLoggerConfig:
+class StatsLoggerConfig(_Config):
     """TensorBoard + metrics JSONL always; wandb / swanlab when enabled."""
 
-    wandb_mode: str = field(default="disabled", metadata=_help("disabled | online | offline."))
+    wandb_mode: Literal["disabled", "online", "offline"] = "disabled"
     wandb_project: Optional[str] = None
-    swanlab_mode: str = field(default="disabled", metadata=_help("disabled | cloud | local."))
+    swanlab_mode: Literal["disabled", "cloud", "local"] = "disabled"
     print_every: int = field(default=1, metadata=_help("Progress line every N steps."))
 
-    def __post_init__(self):
-        _choice("stats_logger.wandb_mode", self.wandb_mode, ("disabled", "online", "offline"))
-        _choice("stats_logger.swanlab_mode", self.swanlab_mode, ("disabled", "cloud", "local"))
-
 
 @dataclass
-class NameResolveConfig:
-    type: str = field(default="nfs", metadata=_help("nfs (shared filesystem) | ray | etcd."))
+class NameResolveConfig(_Config):
+    type: Literal["nfs", "ray"] = field(
+        default="nfs", metadata=_help("nfs: a shared filesystem; ray: a detached Ray actor.")
+    )
     nfs_record_root: str = field(default="", metadata=_help("Default: <fileroot>/name_resolve."))
-    etcd_address: str = "localhost:2379"
-
-    def __post_init__(self):
-        _choice("cluster.name_resolve.type", self.type, ("nfs", "ray", "etcd"))
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(_Config):
     fileroot: str = field(default="runs", metadata=_help("Root of run directories."))
     n_nodes: int = 1
     n_gpus_per_node: int = field(default=0, metadata=_help("0 = CPU only."))
@@ -469,6 +407,7 @@ class ClusterConfig:
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.n_nodes < 1:
             raise ConfigError(f"cluster.n_nodes must be >= 1, got {self.n_nodes}")
         if self.n_gpus_per_node < 0:
@@ -476,7 +415,7 @@ class ClusterConfig:
 
 
 @dataclass
-class SlurmConfig:
+class SlurmConfig(_Config):
     partition: Optional[str] = None
     account: Optional[str] = None
     time: str = "72:00:00"
@@ -485,7 +424,7 @@ class SlurmConfig:
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(_Config):
     trainer_port: Optional[int] = field(default=None, metadata=_help("torchrun master port."))
     env_vars: list[str] = field(
         default_factory=list, metadata=_help("KEY=VALUE for every process.")
@@ -498,7 +437,7 @@ class LauncherConfig:
 
 
 @dataclass
-class BaseExperimentConfig:
+class BaseExperimentConfig(_Config):
     experiment_name: str = field(default=MISSING, metadata=_help("Experiment name (required)."))
     trial_name: str = field(default=MISSING, metadata=_help("Trial name (required)."))
     allocation_mode: str = field(default="d1p1t1", metadata=_help("See AllocationMode."))
@@ -518,6 +457,7 @@ class BaseExperimentConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         try:
             self._allocation = AllocationMode.from_str(self.allocation_mode)
         except ValueError as e:
@@ -541,7 +481,6 @@ class SFTConfig(BaseExperimentConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        self.train_dataset.type = "sft"
         if not self.allocation.train_only:
             raise ConfigError(
                 f"allocation_mode={self.allocation_mode!r}: SFT runs no inference servers; "
@@ -566,11 +505,9 @@ class GRPOConfig(BaseExperimentConfig):
     )
     critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
     server: ServerConfig = field(default_factory=ServerConfig)
-    weight_update: str = field(default="disk", metadata=_help("disk | nccl (GPU)."))
 
     def __post_init__(self):
         super().__post_init__()
-        _choice("weight_update", self.weight_update, ("disk", "nccl"))
         if self.allocation.train_only:
             raise ConfigError(
                 f"allocation_mode={self.allocation_mode!r}: GRPO needs inference servers, e.g. "
@@ -589,7 +526,5 @@ class GRPOConfig(BaseExperimentConfig):
             raise ConfigError(
                 "async_training=false is synchronous RL: rollout.max_head_offpolicyness must be 0"
             )
-        if self.weight_update == "nccl" and self.cluster.n_gpus_per_node == 0:
-            raise ConfigError("weight_update=nccl needs GPUs (cluster.n_gpus_per_node > 0)")
         if not self.server.model_path:
             self.server.model_path = self.actor.path

@@ -1,8 +1,9 @@
 """Loading configs: `--config FILE.yaml` plus dotted `key=value` overrides, validated.
 
-Kept apart from the dataclasses in `cli_args.py` (which re-exports `load_expr_config` and
-`to_yaml`): this module is about error messages that name the key, the value and the closest
-valid key, not about what the options are.
+Kept apart from the dataclasses in `cli_args.py` (which imports this module and re-exports
+`load_expr_config` and `to_yaml`; this module never imports it): this module is about error
+messages that name the key, the value and the closest valid key (or the allowed values of a
+`Literal`-typed choice), not about what the options are.
 """
 
 from __future__ import annotations
@@ -17,9 +18,39 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from arealite.api.presets import ACTOR_PRESETS
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
+
+
+def literal_choices(hint: Any) -> tuple | None:
+    """The allowed values of a `Literal[...]` or `Optional[Literal[...]]` type, else None."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    for arg in typing.get_args(hint):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def choice_error(key: str, value: Any, allowed: tuple) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def check_choices(config: Any) -> None:
+    """Every `Literal`-typed field of the dataclass `config` holds an allowed value. The loader
+    has checked them already (naming the full dotted key); this catches configs built in
+    Python, naming `ClassName.field`."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        allowed = literal_choices(hints[f.name])
+        value = getattr(config, f.name)
+        if allowed is not None and value not in allowed:
+            if value is None and type(None) in typing.get_args(hints[f.name]):
+                continue
+            raise choice_error(f"{type(config).__name__}.{f.name}", value, allowed)
 
 
 def _valid_keys(cls: type, prefix: str = "") -> list[str]:
@@ -85,16 +116,11 @@ def _check_keys(user_keys: list[str], config_cls: type, source: str) -> None:
 
 
 def _apply_presets(merged: Any, user_cfg: Any) -> Any:
-    """Put actor presets *under* the user's values, so explicit keys still win."""
-    from arealite.api.cli_args import ACTOR_PRESETS  # the presets sit with the actor config
-
+    """Put actor presets *under* the user's values, so explicit keys still win (the preset's
+    name has been checked against its Literal type by the merge with the schema)."""
     preset = OmegaConf.select(user_cfg, "actor.preset", default=None)
     if preset is None:
         return merged
-    if preset not in ACTOR_PRESETS:
-        raise ConfigError(
-            f"actor.preset={preset!r} is not allowed; choose one of {list(ACTOR_PRESETS)}"
-        )
     return OmegaConf.merge(merged, {"actor": ACTOR_PRESETS[preset]}, user_cfg)
 
 
@@ -143,14 +169,19 @@ def load_expr_config(argv: list[str], config_cls: type) -> Any:
         raise ConfigError(f"Invalid config at {getattr(e, 'full_key', '?')!r}: {e.msg}") from None
 
 
-def _expected_type(config_cls: type, dotted_key: str) -> str:
-    """The declared type of `dotted_key` in the schema, e.g. 'float' or 'Optional[int]'."""
+def _declared_type(config_cls: type, dotted_key: str) -> Any:
+    """The type hint of `dotted_key` in the schema, or None if the key is not found."""
     cls, hint = config_cls, None
     for part in dotted_key.split("."):
         if cls is None:
-            return "?"
+            return None
         hint = typing.get_type_hints(cls).get(part)
         cls = _dataclass_in(hint) if hint is not None else None
+    return hint
+
+
+def _expected_type(hint: Any) -> str:
+    """A type hint for humans, e.g. 'float' or 'int or null'."""
     if hint is None:
         return "?"
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -160,9 +191,13 @@ def _expected_type(config_cls: type, dotted_key: str) -> str:
 
 
 def _type_error_message(e: ValidationError, config_cls: type) -> str:
+    hint = _declared_type(config_cls, str(e.full_key))
+    value = getattr(e, "value", None)
+    allowed = literal_choices(hint)
+    if allowed is not None:
+        return str(choice_error(str(e.full_key), value, allowed))
     return (
-        f"Wrong type for config key {e.full_key!r}: got {getattr(e, 'value', None)!r}, "
-        f"expected {_expected_type(config_cls, str(e.full_key))}"
+        f"Wrong type for config key {e.full_key!r}: got {value!r}, expected {_expected_type(hint)}"
     )
 
 

@@ -10,7 +10,8 @@ Backends (`make_repository`):
 - `nfs` (default): a directory per key under a root every node sees (shared filesystem); one
   file per entry, written atomically (temp file + link/rename), so readers never see half a value.
 - `ray`: a named, detached Ray actor holding a dict (clusters without a shared filesystem).
-- `etcd`: not implemented (the class says what it would need).
+There is no etcd backend (it would need an etcd server and an etcd v3 client package); the
+config accepts only `nfs` and `ray`.
 
 An entry added with `keepalive_ttl` is refreshed by a background thread of the process that
 added it and reads as absent once that process stops refreshing it for `keepalive_ttl` seconds,
@@ -35,7 +36,6 @@ __all__ = [
     "NameResolveRepository",
     "FileNameResolveRepository",
     "RayNameResolveRepository",
-    "EtcdNameResolveRepository",
     "make_repository",
     "trial_root",
     "servers_root",
@@ -404,20 +404,6 @@ class RayNameResolveRepository(NameResolveRepository):
         self._ray.kill(self._store)
 
 
-# -------------------------------------------------------------------------------------- etcd
-
-
-class EtcdNameResolveRepository(NameResolveRepository):
-    """Placeholder: an etcd backend needs an etcd server and a maintained etcd v3 client."""
-
-    def __new__(cls, address: str = "localhost:2379"):
-        raise NotImplementedError(
-            f"cluster.name_resolve.type=etcd (etcd at {address}) is not implemented: it needs an "
-            "etcd v3 client package (e.g. `etcd3`, unmaintained) and a running etcd server. Use "
-            "cluster.name_resolve.type=nfs (a shared filesystem) or ray instead."
-        )
-
-
 def make_repository(config, fileroot: str) -> NameResolveRepository:
     """The repository `config` (a cli_args.NameResolveConfig) selects; nfs defaults to
     `<fileroot>/name_resolve`."""
@@ -427,6 +413,4 @@ def make_repository(config, fileroot: str) -> NameResolveRepository:
         return FileNameResolveRepository(root)
     if kind == "ray":
         return RayNameResolveRepository()
-    if kind == "etcd":
-        return EtcdNameResolveRepository(config.etcd_address)
-    raise ValueError(f"cluster.name_resolve.type={kind!r}: choose one of ['nfs', 'ray', 'etcd']")
+    raise ValueError(f"cluster.name_resolve.type={kind!r}: choose one of ['nfs', 'ray']")
