@@ -31,6 +31,7 @@ from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
+from arealite.utils.run_lock import claim_run_dir
 from arealite.workflow.rlvr import RLVRWorkflow
 
 
@@ -90,6 +91,7 @@ def main(
     """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ...)` makes the episodes;
     `load_processor(path)` (vision) loads the processor the datasets and workflows use."""
     config = load_expr_config(argv, GRPOConfig)
+    claim_run_dir(config.run_dir, int(os.environ.get("RANK", 0)))  # one owner per run
     actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
     processor_path = config.tokenizer_path or config.actor.path

@@ -27,6 +27,7 @@ from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
 from arealite.utils.data import pad_sequences_to_tensors
+from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import sft_row_inputs
 
 
@@ -47,6 +48,7 @@ def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None, processor=None):
 def main(argv: list[str], load_processor=None) -> None:
     """`load_processor(path)` (vision) loads the processor the dataset needs."""
     config = load_expr_config(argv, SFTConfig)
+    claim_run_dir(config.run_dir, int(os.environ.get("RANK", 0)))  # one owner per run
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
     processor_path = config.tokenizer_path or config.model.path
     processor = load_processor(processor_path) if load_processor else None

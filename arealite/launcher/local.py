@@ -34,6 +34,7 @@ from arealite.launcher.servers import (
     wait_healthy,
     weight_roots,
 )
+from arealite.utils.lifeline import WATCH_PARENT_ENV
 from arealite.utils.network import find_free_port, find_free_ports
 
 logger = logging.getLogger("arealite.launcher")
@@ -91,6 +92,7 @@ def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
     env = dict(kv.split("=", 1) for kv in config.launcher.env_vars)
     env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(config)))
     env["PYTHONUNBUFFERED"] = "1"
+    env[WATCH_PARENT_ENV] = "1"  # trainer workers exit when their torchrun agent dies
     if server_addrs:
         env[SERVER_ADDRS_ENV] = ",".join(server_addrs)
     return env

@@ -26,6 +26,9 @@ logger = logging.getLogger("arealite.lifeline")
 PR_SET_PDEATHSIG = 1
 # A file whose mtime the launcher bumps every HEARTBEAT_INTERVAL_S; its jobs exit when it stops.
 LAUNCHER_HEARTBEAT_ENV = "AREAL_LAUNCHER_HEARTBEAT"
+# Set by launchers for the trainer processes: their parent (a torchrun agent, a Ray actor) is
+# watched. Not by default: a script run by hand under `nohup` must outlive its shell.
+WATCH_PARENT_ENV = "AREAL_WATCH_PARENT"
 LAUNCHER_HEARTBEAT_TTL_ENV = "AREAL_LAUNCHER_HEARTBEAT_TTL"
 HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_HEARTBEAT_TTL_S = 30.0  # shared filesystems may cache mtimes for a few seconds

@@ -212,3 +212,20 @@ def fencing_token() -> int | None:
     """This process's fencing token, when it owns a run directory."""
     value = os.environ.get(FENCING_TOKEN_ENV, "")
     return int(value) if value.strip().isdigit() else None
+
+
+def claim_run_dir(run_dir: str, rank: int) -> RunLock | None:
+    """Where a trainer starts: every rank dies with its launcher (`lifeline.watch_parent`, when a
+    launcher asked for it), and rank 0 owns the run directory until it exits."""
+    import atexit
+
+    from arealite.utils.lifeline import WATCH_PARENT_ENV, watch_parent
+
+    if os.environ.get(WATCH_PARENT_ENV) == "1":
+        watch_parent()
+    if rank != 0:
+        return None
+    lock = RunLock(run_dir)
+    lock.acquire()
+    atexit.register(lock.release)  # a clean exit leaves no "taken over" warning behind
+    return lock
