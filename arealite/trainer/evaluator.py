@@ -8,29 +8,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from arealite.api.cli_args import EvaluatorConfig
+from arealite.api.io_struct import FinetuneSpec
 from arealite.utils.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Evaluator:
-    """Runs `evaluate_fn()` when due. `config` is an EvaluatorConfig, `ft_spec` a FinetuneSpec."""
+    """Runs `evaluate_fn()` when due (freq_epochs / freq_steps / freq_secs); `ft_spec`'s
+    `steps_per_epoch` tells when an epoch ends."""
 
-    def __init__(self, config: Any, ft_spec: Any):
+    def __init__(self, config: EvaluatorConfig, ft_spec: FinetuneSpec):
         self.config = config
         self.ft_spec = ft_spec
         self.freq_ctl = EpochStepTimeFreqCtl.from_config(config)
 
     def evaluate(
         self,
-        evaluate_fn: Callable[[], Any],
+        evaluate_fn: Callable[[], T],
         epoch: int,
         step: int,
         global_step: int,
         force: bool = False,
-    ) -> Any:
+    ) -> T | None:
         """After finishing (0-based) `step` of `epoch`: `evaluate_fn()`'s result if due, else None.
 
         Call once per training step on every rank (evaluation is usually collective).

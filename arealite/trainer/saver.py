@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from arealite.api.io_struct import SaveLoadMeta
+from arealite.api.cli_args import SaverConfig
+from arealite.api.engine_api import TrainEngine
+from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
 from arealite.utils.timer import EpochStepTimeFreqCtl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 
 class Saver:
-    """Saves `engine` as an HF model under `<run_dir>/checkpoints/` when the schedule says so.
-
-    `config` is a SaverConfig (freq_epochs / freq_steps / freq_secs); `ft_spec` a FinetuneSpec,
-    whose `steps_per_epoch` tells when an epoch ends.
+    """Saves `engine` as an HF model under `<run_dir>/checkpoints/` when the schedule says so
+    (freq_epochs / freq_steps / freq_secs); `ft_spec.steps_per_epoch` tells when an epoch ends.
     """
 
-    def __init__(self, config: Any, ft_spec: Any, run_dir: str):
+    def __init__(self, config: SaverConfig, ft_spec: FinetuneSpec, run_dir: str):
         self.config = config
         self.ft_spec = ft_spec
         self.run_dir = run_dir
@@ -37,11 +40,11 @@ class Saver:
 
     def save(
         self,
-        engine: Any,
+        engine: TrainEngine,
         epoch: int,
         step: int,
         global_step: int,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         name: str | None = None,
         base_model_path: str | None = None,
         force: bool = False,

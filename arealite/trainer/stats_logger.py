@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from arealite.api.cli_args import BaseExperimentConfig, StatsLoggerConfig
+from arealite.api.io_struct import FinetuneSpec
 from arealite.utils.plotting import DEFAULT_PANELS, plot_curves, read_metrics_jsonl, select_curves
 from arealite.utils.progress import ProgressLine
 
@@ -59,18 +61,18 @@ def _merge(stats: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> dict[str, 
 class StatsLogger:
     """`commit` once per training step with the exported stats; `close` at the end.
 
-    `config` is a StatsLoggerConfig; `ft_spec` (a FinetuneSpec) gives the total number of steps
-    for the progress line's ETA (`total_steps` overrides it, e.g. config.total_train_steps).
+    `ft_spec` gives the total number of steps for the progress line's ETA (`total_steps`
+    overrides it, e.g. config.total_train_steps); `exp_config` is recorded by wandb / swanlab.
     """
 
     def __init__(
         self,
-        config: Any,
+        config: StatsLoggerConfig,
         run_dir: str,
-        ft_spec: Any = None,
+        ft_spec: FinetuneSpec | None = None,
         start_step: int = 0,
         total_steps: int | None = None,
-        exp_config: Any = None,
+        exp_config: BaseExperimentConfig | None = None,
     ):
         self.config = config
         self.run_dir = run_dir
@@ -81,7 +83,7 @@ class StatsLogger:
         self.summary_path = os.path.join(run_dir, "summary.json")
         if total_steps is None and ft_spec is not None:
             total_steps = ft_spec.total_train_steps
-        self.progress = ProgressLine(total_steps, print_every=getattr(config, "print_every", 1))
+        self.progress = ProgressLine(total_steps, print_every=config.print_every)
         self.is_writer = _rank() == 0
         self._closed = False
         self._t0 = time.time()
@@ -90,7 +92,7 @@ class StatsLogger:
         if self.is_writer:
             self._open(exp_config)
 
-    def _open(self, exp_config: Any) -> None:
+    def _open(self, exp_config: BaseExperimentConfig | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(self.run_dir, exist_ok=True)
