@@ -1,4 +1,5 @@
 """Datasets by name: `get_custom_dataset(path, rank, world_size, type="rl"|"sft", ...)`.
+Imports arealite.api and arealite.utils only.
 
 `path` picks the task: "arith" (synthetic arithmetic, see arith.py), a GSM8K hub id
 ("openai/gsm8k") or a local GSM8K-format .jsonl / .parquet file or directory (see gsm8k.py),

@@ -1,4 +1,5 @@
-"""Engines: the FSDP2 trainer family and the remote inference clients."""
+"""Engines: the FSDP2 trainer family and the remote inference clients (SGLang, vLLM, embedded).
+Imports arealite.api and arealite.utils only."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Reward functions: `reward_fn(prompt, completions, prompt_ids, completion_ids, **row) -> float`.
+Imports arealite.api and arealite.utils only.
 
 `completions` is ONE completion string (the name follows AReaL); `row` is the dataset row, so
 `answer` arrives as a keyword. All functions are module-level, hence picklable into the reward

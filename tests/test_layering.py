@@ -1,0 +1,229 @@
+"""The package layering of DESIGN.md holds: no upward import, no import cycle, no sys.modules.
+
+Imports are read from the source with `ast` (every import statement, including ones inside
+functions and under TYPE_CHECKING: a lazy import is still a dependency), so the checks need no
+import side effects and name the file and line of each violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "arealite")
+
+# DESIGN.md's import rule: the arealite packages each package may import besides itself.
+BASE = {"api", "utils"}
+ALLOWED: dict[str, set[str]] = {
+    "utils": set(),
+    "api": {"utils"},
+    "engine": BASE,
+    "rollout": BASE,
+    "trainer": BASE,
+    "server": BASE,
+    "dataset": BASE,
+    "reward": BASE,
+    "workflow": BASE | {"reward"},
+    "agent": BASE | {"workflow", "rollout", "reward"},
+    "launcher": BASE,
+    "testing": BASE,  # imported by tests, benchmarks and examples only
+}
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[: -len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def library_modules() -> dict[str, str]:
+    """Dotted name -> file of every module under arealite/."""
+    out = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                out[module_name(path)] = path
+    return out
+
+
+MODULES = library_modules()
+
+
+def imported_modules(path: str) -> Iterator[tuple[str, int]]:
+    """(arealite module, line) for every import in `path`; `from pkg import name` counts as
+    `pkg.name` when that is a module, else as `pkg`."""
+    tree = ast.parse(open(path).read(), path)
+    this = module_name(path)
+    is_pkg = path.endswith("__init__.py")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parts = this.split(".")
+                parts = parts if is_pkg else parts[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                yield (sub if sub in MODULES else base), node.lineno
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "arealite" and len(parts) > 1 else None
+
+
+def upward_imports(modules: dict[str, str]) -> list[str]:
+    errors = []
+    for name, path in sorted(modules.items()):
+        pkg = package_of(name)
+        for target, line in imported_modules(path):
+            tpkg = package_of(target)
+            if not target.startswith("arealite") or tpkg == pkg:
+                continue
+            rel = os.path.relpath(path, ROOT)
+            if pkg is None:
+                errors.append(f"{rel}:{line}: arealite/__init__.py imports {target}")
+            elif pkg not in ALLOWED:
+                errors.append(f"{rel}:{line}: package {pkg!r} has no rule in DESIGN.md")
+            elif tpkg not in ALLOWED[pkg]:
+                may = sorted(ALLOWED[pkg]) or "no other arealite package"
+                errors.append(f"{rel}:{line}: {pkg} imports {target} (it may import {may})")
+    return errors
+
+
+def import_cycles(modules: dict[str, str]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    graph = {
+        name: sorted({t for t, _ in imported_modules(path) if t in modules and t != name})
+        for name, path in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def sys_modules_lookups(modules: dict[str, str]) -> list[str]:
+    hits = []
+    for _, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "modules"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
+                hits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return hits
+
+
+def test_no_upward_import():
+    assert upward_imports(MODULES) == []
+
+
+def test_no_import_cycle():
+    assert import_cycles(MODULES) == []
+
+
+def test_no_sys_modules_lookup():
+    assert sys_modules_lookups(MODULES) == []
+
+
+def test_library_never_imports_testing():
+    assert not [e for e in upward_imports(MODULES) if "arealite.testing" in e]
+    users = [
+        f"{os.path.relpath(p, ROOT)}:{line}"
+        for n, p in MODULES.items()
+        if package_of(n) != "testing"
+        for t, line in imported_modules(p)
+        if package_of(t) == "testing"
+    ]
+    assert users == []
+
+
+def test_every_package_says_what_lives_there_and_what_it_may_import():
+    """Each package's __init__.py docstring: what lives there, and its import rule."""
+    missing = []
+    for path in sorted(MODULES.values()):
+        if path.endswith("__init__.py"):
+            doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+            if "import" not in doc.lower():
+                missing.append(os.path.relpath(path, ROOT))
+    assert missing == []
+
+
+# ----------------------------------------------------------------------------- the checks fail
+
+
+def _fake_tree(tmp_path, files: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for rel, src in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(src)
+        out[rel[: -len(".py")].replace("/", ".").removesuffix(".__init__")] = str(path)
+    return out
+
+
+@pytest.fixture
+def fake_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", str(tmp_path))
+    return tmp_path
+
+
+def test_the_checks_catch_violations(fake_root, monkeypatch):
+    modules = _fake_tree(
+        fake_root,
+        {
+            "arealite/utils/a.py": "def f():\n    from arealite.api.b import x\n",
+            "arealite/api/b.py": "from arealite.api import c\nx = 1\n",
+            "arealite/api/c.py": "import arealite.api.b\n",
+            "arealite/engine/d.py": "import sys\nm = sys.modules['arealite.api.b']\n",
+            "arealite/dataset/e.py": "from arealite.testing import tiny\n",
+            "arealite/testing/tiny.py": "",
+        },
+    )
+    monkeypatch.setattr(f"{__name__}.MODULES", modules)
+    assert upward_imports(modules) == [
+        "arealite/dataset/e.py:1: dataset imports arealite.testing.tiny (it may import "
+        "['api', 'utils'])",
+        "arealite/utils/a.py:2: utils imports arealite.api.b (it may import no other "
+        "arealite package)",
+    ]
+    assert import_cycles(modules) == [["arealite.api.b", "arealite.api.c"]]
+    assert sys_modules_lookups(modules) == ["arealite/engine/d.py:2"]
