@@ -26,6 +26,7 @@ from arealite.dataset import get_custom_dataset
 from arealite.engine import make_remote_engine
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.reward.math_verify_reward import gsm8k_reward_fn
+from arealite.rollout import WorkflowExecutor
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
@@ -64,18 +65,20 @@ def make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls=RLV
         max_concurrent_rollouts=max(1, len(rows)), queue_size=None,
     )  # fmt: skip
     engine = make_remote_engine(config.allocation.gen_backend, eval_cfg)
-    engine.initialize(train_data_parallel_size=world)
+    engine.initialize()
+    executor = WorkflowExecutor(eval_cfg, engine)
+    executor.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
     workflow = workflow_cls(reward_fn, gconfig, processor or tokenizer, reward_workers=1)
 
     def accuracy() -> float:
-        batch = engine.rollout_batch(rows, workflow)
+        batch = executor.rollout_batch(rows, workflow)
         correct = torch.tensor([float(batch["rewards"].sum()), float(len(rows))])
         if world > 1:
             dist.all_reduce(correct)
         return (correct[0] / correct[1].clamp(min=1)).item()
 
-    return accuracy, engine
+    return accuracy, executor
 
 
 def log_trained_items(path: str, step: int, rows: list) -> None:
@@ -113,7 +116,9 @@ def main(
         ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
         ref.initialize(None, ft_spec)
     rollout = make_remote_engine(config.allocation.gen_backend, config.rollout)
-    rollout.initialize(train_data_parallel_size=world)
+    rollout.initialize()
+    executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
+    executor.initialize(train_data_parallel_size=world)
     workflow = workflow_cls(
         reward_fn, config.gconfig, processor or tokenizer,
         reward_timeout=config.rollout.reward_timeout,
@@ -129,7 +134,7 @@ def main(
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)
     states = {
-        "model": actor, "dataloader": train_loader, "rollout": rollout.executor, "saver": saver,
+        "model": actor, "dataloader": train_loader, "rollout": executor, "saver": saver,
         "evaluator": evaluator, "workflow": workflow,  # its reward counters continue
     }  # fmt: skip
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
@@ -138,7 +143,7 @@ def main(
         actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
         if rank == 0:
             rollout.update_weights(WeightUpdateMeta.from_disk(weight_dir, start)).result()
-        rollout.set_version(start)
+        executor.set_version(start)
     logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
                          total_steps=total_steps, exp_config=config)  # fmt: skip
     accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
@@ -149,15 +154,15 @@ def main(
         # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
         with stats_tracker.record_timing("rollout"):
             if config.async_training:
-                batch = rollout.prepare_batch(train_loader, workflow)
+                batch = executor.prepare_batch(train_loader, workflow)
             else:
                 try:
                     rows = next(data_iter)
                 except StopIteration:
                     data_iter = iter(train_loader)
                     rows = next(data_iter)
-                batch = rollout.rollout_batch(rows, workflow)
-        log_trained_items(trained_log, global_step, rollout.executor.last_batch_data)
+                batch = executor.rollout_batch(rows, workflow)
+        log_trained_items(trained_log, global_step, executor.last_batch_data)
 
         # 2. Logprobs: proximal policy for the decoupled loss, reference for the KL term.
         with stats_tracker.record_timing("compute_logp"):
@@ -172,9 +177,9 @@ def main(
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
 
-        # 4. Weight sync: pause new rollouts, publish, reload on the servers, resume.
+        # 4. Weight sync: pause new episodes, publish, reload on the servers, resume.
         with stats_tracker.record_timing("update_weights"):
-            rollout.pause()
+            executor.pause()
             meta = WeightUpdateMeta.from_disk(weight_dir, global_step + 1)
             actor.upload_weights(meta)
             if rank == 0:
@@ -182,8 +187,8 @@ def main(
             if world > 1:
                 dist.barrier()
             actor.set_version(global_step + 1)
-            rollout.set_version(global_step + 1)
-            rollout.resume()
+            executor.set_version(global_step + 1)
+            executor.resume()
 
         # 5. Services.
         saver.save(actor, epoch, step, global_step, tokenizer=tokenizer)
@@ -208,9 +213,9 @@ def main(
         accuracy_before = summary["last"].get("eval/accuracy_before_training")
         print(f"held-out accuracy: {accuracy_before} before GRPO -> "
               f"{summary['last'].get('eval/accuracy')} after", flush=True)  # fmt: skip
-    rollout.destroy()
-    if evaluation is not None:
-        evaluation[1].destroy()
+    for ex in [executor] + ([evaluation[1]] if evaluation is not None else []):
+        ex.destroy()
+        ex.engine.destroy()
     actor.destroy()
     if ref is not None:
         ref.destroy()

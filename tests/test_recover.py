@@ -420,7 +420,7 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
             return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
 
         resps = asyncio.run(same_prompt())
-        assert {engine._sticky[r.rid] for r in reqs} == {a.address, b.address}
+        assert {engine.pool._sticky[r.rid] for r in reqs} == {a.address, b.address}
         assert all(r.output_versions == [3] * 4 for r in resps)
         assert len({tuple(r.output_tokens) for r in resps}) == 1
     finally:

@@ -18,6 +18,7 @@ from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
 from arealite.dataset import get_custom_dataset
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.reward.clevr_count import clevr_count_reward_fn
+from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
 from arealite.utils.data import non_tensor_list
 from arealite.utils.vision import MM_KEY, load_vlm_processor
@@ -44,7 +45,10 @@ def rollout(server):
         InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=10**6)
     )
     e.initialize([server.address])
-    yield e
+    executor = WorkflowExecutor(e.config, e)
+    executor.initialize()
+    yield executor
+    executor.destroy()
     e.destroy()
 
 
@@ -140,7 +144,7 @@ def test_disk_weight_update_reaches_the_server(rollout, workflow, rows, actor, t
     meta = WeightUpdateMeta.from_disk(str(tmp_path / "weights"), version=1)
     actor.upload_weights(meta)
     rollout.pause()
-    rollout.update_weights(meta).result()
+    rollout.engine.update_weights(meta).result()
     rollout.set_version(1)
     rollout.resume()
     new = rollout.rollout_batch(rows, workflow)

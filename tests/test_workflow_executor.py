@@ -1,4 +1,4 @@
-"""WorkflowExecutor (through RemoteSGLangEngine, which owns one) against a real server."""
+"""WorkflowExecutor on a RemoteSGLangEngine against a real server."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest
 from arealite.api.workflow_api import RolloutError, RolloutWorkflow
 from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
 from arealite.utils.data import pad_sequences_to_tensors
 
@@ -60,23 +61,27 @@ def server(tiny_model_dir):
     s.stop()
 
 
-def make_engine(server, **kw) -> RemoteSGLangEngine:
+def make_executor(server, **kw) -> WorkflowExecutor:
     engine = RemoteSGLangEngine(InferenceEngineConfig(**kw))
     engine.initialize([server.address])
-    return engine
+    executor = WorkflowExecutor(engine.config, engine)
+    executor.initialize()
+    return executor
 
 
 @pytest.fixture
 def engine_factory(server):
+    """Makes executors (each on its own engine); destroys both afterwards."""
     made = []
 
     def make(**kw):
-        made.append(make_engine(server, **kw))
+        made.append(make_executor(server, **kw))
         return made[-1]
 
     yield make
-    for e in made:
-        e.destroy()
+    for ex in made:
+        ex.destroy()
+        ex.engine.destroy()
 
 
 def rollout_threads() -> list[threading.Thread]:
@@ -86,143 +91,147 @@ def rollout_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("eta", [0, 1])
 def test_staleness_bound(engine_factory, eta):
     B = 2
-    engine = engine_factory(
+    executor = engine_factory(
         consumer_batch_size=B, max_head_offpolicyness=eta, max_concurrent_rollouts=3 * B
     )
     wf = OneGeneration()
     for i in range(3 * B):
-        engine.submit({"id": i}, wf)
+        executor.submit({"id": i}, wf)
     allowed = min(3 * B, (eta + 1) * B)
-    assert engine.wait(allowed, timeout=120).batch_size[0] == allowed
+    assert executor.wait(allowed, timeout=120).batch_size[0] == allowed
     with pytest.raises(TimeoutError, match="only 0 accepted.*version=0"):
-        engine.wait(1, timeout=1.5)
-    s = engine.stats()
+        executor.wait(1, timeout=1.5)
+    s = executor.stats()
     assert (s["accepted"], s["running"], s["queued"]) == (allowed, 0, 3 * B - allowed)
-    assert engine.executor.get_capacity() == 0
+    assert executor.get_capacity() == 0
 
-    engine.set_version(1)  # one more batch may start
+    executor.set_version(1)  # one more batch may start
     more = min(3 * B, (eta + 2) * B) - allowed
-    assert engine.wait(more, timeout=120).batch_size[0] == more
-    s = engine.stats()
+    assert executor.wait(more, timeout=120).batch_size[0] == more
+    s = executor.stats()
     assert (s["accepted"], s["queued"], s["submitted"]) == (
         allowed + more,
         3 * B - allowed - more,
         3 * B,
     )
-    assert engine.executor.get_capacity() <= 0 or s["queued"] == 0
+    assert executor.get_capacity() <= 0 or s["queued"] == 0
 
 
 def test_concurrency_limit_and_rejections_free_slots(engine_factory):
-    engine = engine_factory(consumer_batch_size=4, max_concurrent_rollouts=2)
+    executor = engine_factory(consumer_batch_size=4, max_concurrent_rollouts=2)
     wf = OneGeneration()
     peak = 0
     for i in range(8):  # rejections come first: they must not use up the staleness budget
-        engine.submit({"id": i, "reject": i < 4}, wf)
+        executor.submit({"id": i, "reject": i < 4}, wf)
     deadline = time.monotonic() + 120
-    while engine.stats()["accepted"] + engine.stats()["rejected"] < 8:
-        peak = max(peak, engine.stats()["running"])
+    while executor.stats()["accepted"] + executor.stats()["rejected"] < 8:
+        peak = max(peak, executor.stats()["running"])
         assert time.monotonic() < deadline
         time.sleep(0.005)
     assert peak <= 2
     # Rejected episodes free their staleness slot: 4 accepted at version 0 with B=4, eta=0.
-    out = engine.wait(4, timeout=10)
+    out = executor.wait(4, timeout=10)
     assert sorted(out["item"].tolist()) == [4, 5, 6, 7]
-    s = engine.stats()
+    s = executor.stats()
     assert (s["accepted"], s["rejected"], s["failed"]) == (4, 4, 0)
 
 
 def test_should_accept_filters(engine_factory):
-    engine = engine_factory(consumer_batch_size=8)
+    executor = engine_factory(consumer_batch_size=8)
     data = [{"id": i} for i in range(6)]
-    out = engine.rollout_batch(data, OneGeneration(), should_accept=lambda td: td["item"][0] < 3)
+    out = executor.rollout_batch(data, OneGeneration(), should_accept=lambda td: td["item"][0] < 3)
     assert out["item"].tolist() == [0, 1, 2]  # input order
-    assert engine.stats()["rejected"] == 3
+    assert executor.stats()["rejected"] == 3
 
 
 def test_workflow_exception_surfaces_with_its_data_item(engine_factory):
-    engine = engine_factory(consumer_batch_size=4)
+    executor = engine_factory(consumer_batch_size=4)
     wf = OneGeneration()
     bad = {"id": 7, "boom": True}
-    engine.submit({"id": 1}, wf)
-    engine.submit(bad, wf)
+    executor.submit({"id": 1}, wf)
+    executor.submit(bad, wf)
     with pytest.raises(RolloutError, match=r"OneGeneration.*'id': 7.*bad item 7") as info:
-        engine.wait(2, timeout=120)
+        executor.wait(2, timeout=120)
     assert info.value.data == bad
     assert isinstance(info.value.__cause__, ValueError)
-    assert engine.wait(1, timeout=120)["item"].tolist() == [1]  # the executor keeps going
-    assert engine.stats()["failed"] == 1
+    assert executor.wait(1, timeout=120)["item"].tolist() == [1]  # the executor keeps going
+    assert executor.stats()["failed"] == 1
     with pytest.raises(RolloutError, match="'id': 3"):
-        engine.rollout_batch([{"id": 2}, {"id": 3, "boom": True}], wf)
+        executor.rollout_batch([{"id": 2}, {"id": 3, "boom": True}], wf)
     with pytest.raises(RolloutError, match="must return a TensorDict or None, got dict"):
-        engine.rollout_batch([{"id": 4}], ReturnsDict())
+        executor.rollout_batch([{"id": 4}], ReturnsDict())
 
 
 def test_rollout_batch_larger_than_queue(engine_factory):
-    engine = engine_factory(consumer_batch_size=8, max_concurrent_rollouts=2, queue_size=2)
-    out = engine.rollout_batch([{"id": i} for i in range(7)], OneGeneration())
+    executor = engine_factory(consumer_batch_size=8, max_concurrent_rollouts=2, queue_size=2)
+    out = executor.rollout_batch([{"id": i} for i in range(7)], OneGeneration())
     assert out["item"].tolist() == list(range(7))
     with pytest.raises(queue.Full, match="queue_size"):
         for _ in range(10):
-            engine.submit({"id": 0}, Forever())
+            executor.submit({"id": 0}, Forever())
 
 
 def test_prepare_batch_cycles_dataloader(engine_factory):
-    engine = engine_factory(consumer_batch_size=2, max_head_offpolicyness=1)
+    executor = engine_factory(consumer_batch_size=2, max_head_offpolicyness=1)
     loader = DataLoader([{"id": i} for i in range(3)], batch_size=2, collate_fn=lambda x: x)
     wf = OneGeneration()
     seen = []
     for step in range(3):
-        batch = engine.prepare_batch(loader, wf)
+        batch = executor.prepare_batch(loader, wf)
         assert batch.batch_size[0] == 2
         seen += batch["item"].tolist()
-        engine.set_version(step + 1)
+        executor.set_version(step + 1)
     assert set(seen) <= {0, 1, 2} and len(seen) == 6  # wrapped into a second epoch
     # eta=1: at most (eta + v + 1) * B episodes were ever started.
-    s = engine.stats()
+    s = executor.stats()
     assert s["accepted"] + s["running"] <= (1 + 3 + 1) * 2
 
 
 def test_pause_and_resume_new_episodes(engine_factory):
-    engine = engine_factory(consumer_batch_size=4)
-    engine.pause()
-    engine.submit({"id": 1}, OneGeneration())
+    executor = engine_factory(consumer_batch_size=4)
+    executor.pause()
+    executor.submit({"id": 1}, OneGeneration())
     with pytest.raises(TimeoutError):
-        engine.wait(1, timeout=1.0)
-    assert engine.stats()["queued"] == 1
-    engine.resume()
-    assert engine.wait(1, timeout=120)["item"].tolist() == [1]
+        executor.wait(1, timeout=1.0)
+    assert executor.stats()["queued"] == 1
+    executor.resume()
+    assert executor.wait(1, timeout=120)["item"].tolist() == [1]
 
 
 def test_state_dict_restores_the_staleness_budget(engine_factory):
-    engine = engine_factory(consumer_batch_size=2)
-    assert engine.executor.get_capacity() == 2
+    executor = engine_factory(consumer_batch_size=2)
+    assert executor.get_capacity() == 2
     state = {"submitted": 10, "accepted": 10, "rejected": 1, "failed": 0}
-    engine.executor.load_state_dict(state)
-    assert engine.executor.state_dict() == {**state, "position": None, "done": []}
-    assert engine.executor.get_capacity() <= 0  # version 0 already spent
-    engine.set_version(5)  # (0 + 5 + 1) * 2 - 10
-    assert engine.executor.get_capacity() == 2
+    executor.load_state_dict(state)
+    assert executor.state_dict() == {**state, "position": None, "done": []}
+    assert executor.get_capacity() <= 0  # version 0 already spent
+    executor.set_version(5)  # (0 + 5 + 1) * 2 - 10
+    assert executor.get_capacity() == 2
 
 
 def test_destroy_cancels_episodes_and_joins_thread(server):
     before = len(rollout_threads())
-    engine = make_engine(server, consumer_batch_size=4)
+    executor = make_executor(server, consumer_batch_size=4)
+    engine = executor.engine
     assert len(rollout_threads()) == before + 1
     for i in range(3):
-        engine.submit({"id": i}, Forever())
-    engine.submit({"id": 3}, OneGeneration(1000, ignore_eos=True))  # an HTTP request in flight
+        executor.submit({"id": i}, Forever())
+    executor.submit({"id": 3}, OneGeneration(1000, ignore_eos=True))  # an HTTP request in flight
     deadline = time.monotonic() + 10
-    while engine.stats()["running"] < 4:
+    while executor.stats()["running"] < 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     time.sleep(0.3)
     start = time.monotonic()
-    engine.destroy()
+    executor.destroy()
     assert time.monotonic() - start < 10
     assert len(rollout_threads()) == before
-    s = engine.stats()
-    assert (s["running"], s["failed"], s["generate_calls"]) == (0, 0, 0)
+    s = executor.stats()
+    assert (s["running"], s["failed"]) == (0, 0)
+    # The cancelled episode cancelled its request on the client: no answer was counted.
+    assert engine.stats()["generate_calls"] == 0
     assert not engine.failed  # cancelling a request is not a server failure
-    assert engine._session is None
+    engine.destroy()
+    assert engine.http.closed
     with pytest.raises(RuntimeError, match="not running"):
-        engine.submit({"id": 0}, Forever())
+        executor.submit({"id": 0}, Forever())

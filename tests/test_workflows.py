@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
 from arealite.utils.reward_pool import RewardPool
 from arealite.workflow.multi_turn import MultiTurnWorkflow
@@ -43,6 +44,14 @@ def engine(server):
     e.initialize([server.address])
     yield e
     e.destroy()
+
+
+@pytest.fixture(scope="module")
+def executor(engine):
+    ex = WorkflowExecutor(engine.config, engine)
+    ex.initialize()
+    yield ex
+    ex.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +127,11 @@ def test_rlvr_episode_tensors(engine, tokenizer, tiny_model_dir, tmp_path):
     assert len(lines) == n and json.loads(lines[0])["prompt"].endswith("assistant\n")
 
 
-def test_rlvr_through_rollout_batch(engine, tokenizer):
+def test_rlvr_through_rollout_batch(engine, executor, tokenizer):
     g = GenerationHyperparameters(n_samples=2, max_new_tokens=3)
     wf = RLVRWorkflow(rewards.echo_row, g, tokenizer)
     data = [{**DATA, "target": t} for t in (0.25, 0.5, 0.75)]
-    td = engine.rollout_batch(data, wf)
+    td = executor.rollout_batch(data, wf)
     assert td.batch_size[0] == 6
     assert td["rewards"].tolist() == [0.25, 0.25, 0.5, 0.5, 0.75, 0.75]
     # data["input_ids"] bypasses the chat template.

@@ -24,8 +24,6 @@ from arealite.api.io_struct import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
-    from arealite.api.workflow_api import RolloutWorkflow
-
 
 class TrainEngine(abc.ABC):
     """A model being trained, possibly sharded over ranks.
@@ -113,21 +111,19 @@ class TrainEngine(abc.ABC):
 
 
 class InferenceEngine(abc.ABC):
-    """A client of one or more inference servers, plus the rollout machinery around it.
+    """A client of one or more inference servers: generation, weight updates, versions.
 
-    `agenerate` is one token-in/token-out call. `submit`/`wait`/`rollout_batch`/`prepare_batch`
-    run whole episodes of a `RolloutWorkflow` in the background, bounded by the staleness limit
-    (see DESIGN.md, 'Asynchrony and staleness').
+    `agenerate` is one token-in/token-out call. Running whole episodes in the background under
+    the staleness bound is the job of `arealite.rollout.WorkflowExecutor`, built on an engine.
     """
 
     @abc.abstractmethod
-    def initialize(self, addr: str | list[str] | None = None, train_data_parallel_size: int = 1):
-        """Connect to the servers (addresses from the argument, config or environment) and
-        start the background rollout loop. `train_data_parallel_size` splits the capacity."""
+    def initialize(self, addr: str | list[str] | None = None) -> None:
+        """Connect to the servers (addresses from the argument, config or environment)."""
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Stop the rollout loop and close connections."""
+        """Cancel requests in flight and close connections."""
 
     @abc.abstractmethod
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
@@ -136,41 +132,21 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> Future:
-        """Ask every server to load new weights; the future resolves when all have."""
+        """Ask every server to load new weights; the future resolves when all have.
+        Generation is paused meanwhile and resumes by itself."""
 
     @abc.abstractmethod
-    def submit(self, data: dict[str, Any], workflow: RolloutWorkflow) -> None:
-        """Queue one episode of `workflow` on `data` (non-blocking)."""
+    def pause_generation(self) -> None:
+        """Abort in-flight generation on every server and hold new requests (for callers that
+        swap weights themselves); aborted requests resume after `continue_generation`."""
 
     @abc.abstractmethod
-    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
-        """Block until `count` accepted trajectories are ready and return them concatenated."""
-
-    @abc.abstractmethod
-    def rollout_batch(self, data: list[dict[str, Any]], workflow: RolloutWorkflow) -> TensorDict:
-        """Synchronous rollout: submit every item and wait for all of them."""
-
-    @abc.abstractmethod
-    def prepare_batch(
-        self,
-        dataloader: Any,
-        workflow: RolloutWorkflow,
-        should_accept: Callable[[TensorDict], bool] | None = None,
-    ) -> TensorDict:
-        """Asynchronous rollout: keep the pipeline full from `dataloader` (within the
-        staleness bound) and return one batch of accepted trajectories."""
-
-    @abc.abstractmethod
-    def pause(self) -> None:
-        """Stop starting new episodes (e.g. around a weight update)."""
-
-    @abc.abstractmethod
-    def resume(self) -> None:
-        """Start new episodes again."""
+    def continue_generation(self) -> None:
+        """Let generation run again after `pause_generation`."""
 
     @abc.abstractmethod
     def set_version(self, version: int) -> None:
-        """Set the policy version the staleness bound is computed against."""
+        """Set the policy version (number of completed policy updates)."""
 
     @abc.abstractmethod
     def get_version(self) -> int:

@@ -3,16 +3,14 @@
 Works unchanged against a real SGLang server and against the embedded server
 (`python -m arealite.server`), which speaks the same subset (DESIGN.md, wire protocol).
 All shared machinery (routing, retries, fail-over, interruptible generation, the weight-update
-choreography, the rollout executor) lives in `RemoteInferenceEngine`; this file only says how
-SGLang spells each call.
+choreography) lives in `RemoteInferenceEngine`; this file only says how SGLang spells each call.
 
 Usage:
     engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=8))
     engine.initialize(["127.0.0.1:30000"])            # or rollout.server_addrs / env
     resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
-    batch = engine.prepare_batch(dataloader, workflow)  # staleness-bounded async rollout
+    executor = WorkflowExecutor(config, engine)       # arealite.rollout: episodes, staleness
     engine.update_weights(WeightUpdateMeta.from_disk(path, version=1)).result()
-    engine.set_version(1)
     engine.destroy()
 """
 
@@ -20,13 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote_base import (
-    GenerateChunk,
-    RemoteInferenceEngine,
-    ServerError,
-    parse_version,
-)
+from arealite.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
+from arealite.engine.remote_base import GenerateChunk, RemoteInferenceEngine
+from arealite.engine.server_http import ServerError, parse_version
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -71,21 +65,21 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
         return GenerateChunk(tokens, logprobs, kind, parse_version(meta.get("weight_version")))
 
     async def pause_server(self, addr: str) -> None:
-        await self._http_with_retries(addr, "POST", "/pause_generation")
+        await self.pool.call(addr, "POST", "/pause_generation")
 
     async def continue_server(self, addr: str) -> None:
-        await self._http_with_retries(addr, "POST", "/continue_generation")
+        await self.pool.call(addr, "POST", "/continue_generation")
 
     async def update_server_from_disk(self, addr: str, meta: WeightUpdateMeta) -> None:
         payload = {"model_path": meta.path, "weight_version": str(meta.version)}
-        body = await self._http_with_retries(addr, "POST", "/update_weights_from_disk", payload)
+        body = await self.pool.call(addr, "POST", "/update_weights_from_disk", payload)
         _check_success(addr, "/update_weights_from_disk", body)
 
     # ---- NCCL path (GPU; SGLang's update_weights_from_distributed API) --------------------
 
     async def server_tp_size(self, addr: str) -> int:
         try:
-            info = await self._http_with_retries(addr, "GET", "/get_server_info")
+            info = await self.pool.call(addr, "GET", "/get_server_info")
         except ServerError:  # servers without the endpoint run one rank
             return 1
         return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
@@ -101,28 +95,26 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
             "group_name": meta.nccl_group_name,
             "backend": "nccl",
         }
-        body = await self._http_with_retries(addr, "POST", "/init_weights_update_group", payload)
+        body = await self.pool.call(addr, "POST", "/init_weights_update_group", payload)
         _check_success(addr, "/init_weights_update_group", body)
 
     async def update_server_from_distributed(
         self,
         addr: str,
         meta: WeightUpdateMeta,
-        bucket: list[tuple[str, list[int], str]],
+        bucket: list[ParamSpec],
         last: bool,
     ) -> None:
         payload = {
-            "names": [name for name, _, _ in bucket],
-            "shapes": [shape for _, shape, _ in bucket],
-            "dtypes": [dtype for _, _, dtype in bucket],
+            "names": [p.name for p in bucket],
+            "shapes": [p.shape for p in bucket],
+            "dtypes": [p.dtype for p in bucket],
             "group_name": meta.nccl_group_name,
             "flush_cache": last,
         }
         if last:
             payload["weight_version"] = str(meta.version)
-        body = await self._http_with_retries(
-            addr, "POST", "/update_weights_from_distributed", payload
-        )
+        body = await self.pool.call(addr, "POST", "/update_weights_from_distributed", payload)
         _check_success(addr, "/update_weights_from_distributed", body)
 
 

@@ -4,9 +4,8 @@ Speaks vLLM's token-in / token-out endpoint `POST /inference/v1/generate` (needs
 `--enable-scale-out`) and its RL control endpoints `/pause`, `/resume`, `/collective_rpc`,
 `/reset_prefix_cache`, `/update_weight_version` (need `VLLM_SERVER_DEV_MODE=1`): exactly the
 server `arealite.launcher.servers.server_command("vllm", ...)` starts. Routing, retries,
-fail-over, interruptible generation (an aborted request is resubmitted as prompt + tokens so far
-with the remaining budget once the pause lifts) and the rollout executor live in
-`RemoteInferenceEngine`; this file only says how vLLM spells each call.
+fail-over and interruptible generation (an aborted request is resubmitted as prompt + tokens so
+far with the remaining budget once the pause lifts) live in `RemoteInferenceEngine`; this file only says how vLLM spells each call.
 
 Logprobs: the server must run with `--logprobs-mode processed_logprobs`, so each sampled token's
 logprob is log_softmax(logits / T) - what the trainer recomputes (greedy: log_softmax(logits)).
@@ -40,12 +39,8 @@ from typing import Any
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote_base import (
-    GenerateChunk,
-    RemoteInferenceEngine,
-    ServerError,
-    parse_version,
-)
+from arealite.engine.remote_base import GenerateChunk, RemoteInferenceEngine
+from arealite.engine.server_http import ServerError, parse_version
 
 GENERATE_PATH = "/inference/v1/generate"
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -152,10 +147,10 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
     async def pause_server(self, addr: str) -> None:
         # mode=abort: in-flight requests return at once with what they have (finish "abort");
         # requests arriving while paused are queued by vLLM until /resume.
-        await self._http_with_retries(addr, "POST", "/pause?mode=abort")
+        await self.pool.call(addr, "POST", "/pause?mode=abort")
 
     async def continue_server(self, addr: str) -> None:
-        await self._http_with_retries(addr, "POST", "/resume")
+        await self.pool.call(addr, "POST", "/resume")
 
     # ---- weight update from disk -------------------------------------------------------------
 
@@ -180,15 +175,15 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
         except ServerError as e:
             await self._restore_weights(addr, path, e)  # always raises
         # reload_weights keeps the prefix cache: prompts sharing a prefix would reuse old KV.
-        await self._http_with_retries(addr, "POST", "/reset_prefix_cache")
+        await self.pool.call(addr, "POST", "/reset_prefix_cache")
         payload = {"new_version": str(meta.version)}  # vLLM wants a string
-        await self._http_with_retries(addr, "POST", "/update_weight_version", payload)
+        await self.pool.call(addr, "POST", "/update_weight_version", payload)
         self._good_weights[addr] = path
 
     async def _reload_weights(self, addr: str, path: str) -> None:
         # No retries: a failed reload is deterministic, and retrying repeats the damage.
         payload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        await self._http(addr, "POST", "/collective_rpc", payload)
+        await self.http.call(addr, "POST", "/collective_rpc", payload)
 
     async def _restore_weights(self, addr: str, bad_path: str, error: ServerError) -> None:
         reason = f"vLLM at {addr} failed to reload weights from {bad_path}: {error.message}"
@@ -196,10 +191,10 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
         try:
             previous = self._good_weights.get(addr) or await self._launch_weights(addr)
             await self._reload_weights(addr, previous)
-            await self._http_with_retries(addr, "POST", "/reset_prefix_cache")
+            await self.pool.call(addr, "POST", "/reset_prefix_cache")
         except Exception as e:
             # Its parameters are gone: the next decoding step would kill its engine.
-            self._mark_failed(addr, f"{reason}; restoring the previous weights failed: {e}")
+            self.pool.mark_failed(addr, f"{reason}; restoring the previous weights failed: {e}")
             raise RuntimeError(
                 f"{reason}; restoring the previous weights failed too ({e}); "
                 "the server left the rotation"
@@ -209,7 +204,7 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
     async def _launch_weights(self, addr: str) -> str:
         """The model directory the server was started with (/v1/models keeps the launch path):
         what it holds unless another client updated it, which this client cannot see."""
-        body = await self._http_with_retries(addr, "GET", "/v1/models")
+        body = await self.pool.call(addr, "GET", "/v1/models")
         model = (body.get("data") or [{}])[0] if isinstance(body, dict) else {}
         path = model.get("root") or model.get("id")
         if not path or not os.path.isdir(path):

@@ -1,0 +1,9 @@
+"""Rollout: the WorkflowExecutor that runs episodes in the background, and the staleness rule.
+
+May import `arealite.api` and `arealite.utils` (never `engine`: it drives any InferenceEngine).
+"""
+
+from arealite.rollout.executor import RolloutStat, WorkflowExecutor
+from arealite.rollout.staleness import StalenessController
+
+__all__ = ["RolloutStat", "StalenessController", "WorkflowExecutor"]

@@ -1,0 +1,433 @@
+"""WorkflowExecutor: runs rollout episodes in the background under the staleness bound.
+
+Built by the training script on an inference engine:
+
+    executor = WorkflowExecutor(config.rollout, engine)
+    executor.initialize(train_data_parallel_size=world)
+    batch = executor.prepare_batch(train_loader, workflow)   # async, staleness-bounded
+    executor.pause(); ...update weights...; executor.set_version(v); executor.resume()
+
+Episodes run on the executor's own asyncio loop thread, so the trainer's thread only submits
+data and collects finished batches. Admission follows `StalenessController` (staleness.py);
+recovery replays pulled-but-untrained dataloader items (replay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from tensordict import TensorDict
+
+from arealite.api.workflow_api import RolloutError, RolloutWorkflow
+from arealite.rollout.replay import Cursor, DataloaderFeed
+from arealite.rollout.staleness import StalenessController
+from arealite.utils.data import concat_padded_tensors
+from arealite.utils.loop_thread import LoopThread
+
+if TYPE_CHECKING:
+    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.engine_api import InferenceEngine
+
+logger = logging.getLogger("arealite.rollout")
+
+POLL_S = 1.0  # fallback wake-up of the loop and of waiting callers
+
+
+@dataclass
+class RolloutStat:
+    """Episode counters since the start of training (restored on recovery)."""
+
+    submitted: int = 0  # handed to submit()
+    running: int = 0  # started and not finished
+    accepted: int = 0  # finished and accepted (consumed or not)
+    rejected: int = 0  # finished as None or refused by should_accept
+    failed: int = 0  # raised an exception
+
+
+@dataclass
+class _Episode:
+    data: Any
+    workflow: RolloutWorkflow
+    should_accept: Callable[[TensorDict], bool] | None
+    group: _Group | None = None
+    index: int = 0
+    cursor: Cursor | None = None  # where prepare_batch pulled it from
+
+
+class _Group:
+    """The episodes of one `rollout_batch` call: results come back to it, in input order."""
+
+    def __init__(self, n: int):
+        self.results: list[TensorDict | None] = [None] * n
+        self.done = 0
+        self.error: RolloutError | None = None
+
+
+class WorkflowExecutor:
+    """Runs `RolloutWorkflow` episodes on a background asyncio loop under the staleness bound.
+
+    Thread-safe: `submit`, `wait`, `rollout_batch`, `prepare_batch`, `pause` and `resume` may be
+    called from any thread other than the loop's. The engine's `get_version()` is read for every
+    admission decision; change it with `set_version` here (which also wakes the loop).
+    """
+
+    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine):
+        self.config = config
+        self.engine = engine
+        self.max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.queue_size = config.queue_size or 4 * self.max_concurrent
+        if self.queue_size < 1:
+            raise ValueError(f"rollout.queue_size must be >= 1, got {self.queue_size}")
+        self.staleness = StalenessController(
+            self.max_concurrent, config.consumer_batch_size, config.max_head_offpolicyness
+        )
+        self.stat = RolloutStat()
+        self.feed = DataloaderFeed()
+        self._input: queue.Queue[_Episode] = queue.Queue(maxsize=self.queue_size)
+        self._results: deque[tuple[TensorDict, _Episode]] = deque()
+        self._errors: deque[RolloutError] = deque()
+        self._cond = threading.Condition()
+        self._tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly
+        self._paused = False
+        self._exiting = False
+        self._loop = LoopThread("arealite-rollout")
+        self._wakeup: asyncio.Event | None = None
+        self._loop_error: BaseException | None = None
+        # Data items of the episodes the last wait() / rollout_batch() returned, in order.
+        self.last_batch_data: list[Any] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def initialize(self, train_data_parallel_size: int = 1) -> None:
+        """Start the loop thread; the capacity is split over `train_data_parallel_size` ranks."""
+        if train_data_parallel_size < 1:
+            raise ValueError(
+                f"train_data_parallel_size must be >= 1, got {train_data_parallel_size}"
+            )
+        if self._loop.loop is not None:
+            raise RuntimeError("WorkflowExecutor.initialize() called twice")
+        self.staleness = dataclasses.replace(self.staleness, world_size=train_data_parallel_size)
+        self._loop.start()
+        self._loop.run(self._schedule()).add_done_callback(self._on_loop_exit)
+
+    def destroy(self, timeout: float = 30.0) -> None:
+        """Cancel every running episode, stop the loop and join its thread."""
+        with self._cond:
+            self._exiting = True
+            self._cond.notify_all()
+        self._loop.stop(timeout)
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def running(self) -> bool:
+        return self._loop.running and not self._exiting and self._loop_error is None
+
+    def notify(self) -> None:
+        """Re-evaluate capacity now (version changed, resumed, results consumed, ...)."""
+        ev = self._wakeup
+        if ev is not None:
+            self._loop.call_soon(ev.set)
+
+    def _on_loop_exit(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.error("rollout loop crashed", exc_info=fut.exception())
+            self._loop_error = fut.exception()  # surfaced to callers of wait()/submit()
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ versions and capacity
+
+    def set_version(self, version: int) -> None:
+        """Set the engine's policy version (the staleness bound counts from it) and re-admit."""
+        self.engine.set_version(version)
+        self.notify()
+
+    def get_version(self) -> int:
+        return self.engine.get_version()
+
+    def get_capacity(self) -> int:
+        """How many more episodes may start now (may be <= 0)."""
+        v = self.engine.get_version()
+        with self._cond:
+            s = self.stat
+            allowed = self.staleness.capacity(v, s.running, s.accepted)
+            # Never start an episode whose result could not be buffered (bounded output).
+            by_buffer = self.queue_size - len(self._results) - s.running
+        return min(allowed, by_buffer)
+
+    # ------------------------------------------------------------------ submission
+
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> None:
+        """Queue one episode (non-blocking). Raises `queue.Full` when `queue_size` episodes are
+        already waiting to start (raise rollout.queue_size or wait() first)."""
+        self._submit(_Episode(data, workflow, should_accept))
+
+    def _submit(self, ep: _Episode) -> None:
+        self._check_alive()
+        if not isinstance(ep.workflow, RolloutWorkflow):
+            raise TypeError(f"workflow must be a RolloutWorkflow, got {type(ep.workflow).__name__}")
+        try:
+            self._input.put_nowait(ep)
+        except queue.Full:
+            raise queue.Full(
+                f"rollout input queue is full ({self.queue_size} episodes waiting to start); "
+                "raise rollout.queue_size or collect results with wait() first"
+            ) from None
+        with self._cond:
+            self.stat.submitted += 1
+        self.notify()
+
+    def _check_alive(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError("rollout loop crashed") from self._loop_error
+        if not self.running:
+            raise RuntimeError("WorkflowExecutor is not running; call initialize() first")
+
+    # ------------------------------------------------------------------ collection
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """Block until `count` accepted episodes are ready; return them concatenated (in
+        completion order). Raises RolloutError if an episode failed, TimeoutError on timeout."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if count > self.queue_size:
+            raise ValueError(
+                f"wait({count}) can never complete: at most rollout.queue_size={self.queue_size} "
+                "results are buffered"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._errors:
+                    raise self._errors.popleft()
+                if len(self._results) >= count:
+                    taken = [self._results.popleft() for _ in range(count)]
+                    for _, ep in taken:
+                        self.feed.mark_done(ep.cursor)
+                    out = [r for r, _ in taken]
+                    self.last_batch_data = [ep.data for _, ep in taken]
+                    break
+                self._raise_if_stopped()
+                remaining = POLL_S if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"wait({count}): only {len(self._results)} accepted episodes after "
+                        f"{timeout}s ({self._describe()})"
+                    )
+                self._cond.wait(min(remaining, POLL_S))
+        self.notify()  # room in the output buffer may admit new episodes
+        return concat_padded_tensors(out)
+
+    def _raise_if_stopped(self) -> None:
+        if self._loop_error is not None:
+            raise RuntimeError("rollout loop crashed") from self._loop_error
+        if self._exiting:
+            raise RuntimeError("WorkflowExecutor was destroyed while waiting")
+
+    def _describe(self) -> str:
+        s = self.stat
+        return (
+            f"running={s.running}, queued={self._input.qsize()}, accepted={s.accepted}, "
+            f"rejected={s.rejected}, failed={s.failed}, version={self.engine.get_version()}, "
+            f"paused={self._paused}"
+        )
+
+    def rollout_batch(
+        self,
+        data: Iterable[dict[str, Any]],
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> TensorDict:
+        """Run one episode per item and wait for all of them; returns the accepted ones in input
+        order. Rejected episodes are left out; the first failure raises RolloutError."""
+        items = list(data)
+        group = _Group(len(items))
+        pending = deque(
+            _Episode(d, workflow, should_accept, group=group, index=i) for i, d in enumerate(items)
+        )
+        while True:
+            while pending:
+                try:
+                    self._submit(pending[0])
+                except queue.Full:
+                    break
+                pending.popleft()
+            with self._cond:
+                if group.error is not None:
+                    raise group.error
+                if group.done == len(items):
+                    break
+                self._raise_if_stopped()
+                self._cond.wait(POLL_S)
+        self.last_batch_data = [d for d, r in zip(items, group.results) if r is not None]
+        return concat_padded_tensors([r for r in group.results if r is not None])
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: RolloutWorkflow,
+        should_accept: Callable[[TensorDict], bool] | None = None,
+    ) -> TensorDict:
+        """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
+        episodes (so generation never waits for the trainer), and return the next
+        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        if not batch_size:
+            raise ValueError("prepare_batch needs a dataloader with a batch_size")
+        if 2 * batch_size > self.queue_size:
+            raise ValueError(
+                f"rollout.queue_size={self.queue_size} must hold two dataloader batches "
+                f"(2 x {batch_size})"
+            )
+        while True:
+            while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
+                for cursor, item in self.feed.next_batch(dataloader):
+                    self._submit(_Episode(item, workflow, should_accept, cursor=cursor))
+            try:
+                return self.wait(batch_size, timeout=POLL_S)
+            except TimeoutError:
+                continue
+
+    # ------------------------------------------------------------------ control and state
+
+    def pause(self) -> None:
+        """Stop starting new episodes; running ones continue (e.g. around a weight update)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+        self.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logging: submitted, running, accepted, rejected, failed, queued, ready."""
+        with self._cond:
+            out = asdict(self.stat)
+            out["queued"] = self._input.qsize()
+            out["ready"] = len(self._results)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What recovery must restore: the staleness counters as if the episodes not yet
+        consumed had never started (they are replayed), and where prepare_batch's replay
+        starts (`position`: None = the dataloader's own state) with the done items after it."""
+        with self._cond:
+            s = self.stat
+            return {
+                "submitted": s.submitted - self.feed.pending(),
+                "accepted": s.accepted - len(self._results),
+                "rejected": s.rejected,
+                "failed": s.failed,
+                **self.feed.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and the replay of pulled-but-unconsumed items (episodes running
+        at save time are lost; running = 0). Call before the first prepare_batch."""
+        with self._cond:
+            for k in ("submitted", "accepted", "rejected", "failed"):
+                setattr(self.stat, k, int(state.get(k, 0)))
+            self.feed.load_state_dict(state)
+        self.notify()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    async def _schedule(self) -> None:
+        self._wakeup = asyncio.Event()
+        while not self._exiting:
+            self._wakeup.clear()
+            self._start_admissible()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def _start_admissible(self) -> None:
+        if self._paused:
+            return
+        n = self.get_capacity()
+        while n > 0:
+            try:
+                ep = self._input.get_nowait()
+            except queue.Empty:
+                return
+            task = asyncio.ensure_future(self._run_episode(ep))
+            with self._cond:
+                self.stat.running += 1
+                self._cond.notify_all()  # the input queue has room again
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, ep=ep: self._on_done(t, ep))
+            n -= 1
+
+    async def _run_episode(self, ep: _Episode) -> TensorDict | None:
+        """The episode, then its acceptance test; any exception is the episode's failure."""
+        result = await ep.workflow.arun_episode(self.engine, ep.data)
+        if result is not None and not isinstance(result, TensorDict):
+            raise TypeError(
+                f"arun_episode must return a TensorDict or None, got {type(result).__name__}"
+            )
+        if result is not None and ep.should_accept is not None and not ep.should_accept(result):
+            return None
+        return result
+
+    def _on_done(self, task: asyncio.Task, ep: _Episode) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            with self._cond:
+                self.stat.running -= 1
+                self._cond.notify_all()
+            return
+        error = task.exception()
+        result = task.result() if error is None else None
+        with self._cond:
+            self.stat.running -= 1
+            if error is not None:
+                self.stat.failed += 1
+                self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
+            elif result is None:
+                self.stat.rejected += 1
+                self._finish_in_group(ep)
+            else:
+                self.stat.accepted += 1
+                if ep.group is not None:
+                    ep.group.results[ep.index] = result
+                    ep.group.done += 1
+                else:
+                    self._results.append((result, ep))
+            self._cond.notify_all()
+        if self._wakeup is not None:
+            self._wakeup.set()  # a slot is free
+
+    def _finish_in_group(self, ep: _Episode) -> None:
+        """Under self._cond: a rejected or failed episode needs no replay; count it done."""
+        self.feed.mark_done(ep.cursor)
+        if ep.group is not None:
+            ep.group.done += 1
+
+    def _record_error(self, ep: _Episode, err: RolloutError) -> None:
+        logger.error("%s", err, exc_info=err.__cause__)
+        self._finish_in_group(ep)
+        if ep.group is not None:
+            ep.group.error = ep.group.error or err
+        else:
+            self._errors.append(err)

@@ -1,0 +1,48 @@
+"""The staleness rule of asynchronous RL: how many new episodes may start now.
+
+A pure function of counters, so it is tested alone; the executor calls it on every admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StalenessController:
+    """Bounds how far rollouts run ahead of training (DESIGN.md, "Asynchrony and staleness").
+
+    With C = max_concurrent_rollouts, B = consumer_batch_size, eta = max_head_offpolicyness,
+    v = the current policy version and W = the trainer's data-parallel size (each rank runs its
+    own executor with 1/W of the budget), the number of episodes that may start now is
+
+        capacity = min(C/W - running, (eta + v + 1) * B/W - (accepted + running))
+
+    `accepted` counts every accepted episode since the start (consumed or not), so at version v
+    no more than (eta + v + 1) batches' worth of episodes have ever been started: a trajectory
+    is at most eta versions stale. eta = 0 is synchronous RL. Rejected and failed episodes are
+    not counted, so they free their slot. C/W and B/W are at least 1.
+    """
+
+    max_concurrent_rollouts: int
+    consumer_batch_size: int
+    max_head_offpolicyness: int
+    world_size: int = 1
+
+    def __post_init__(self):
+        for name in ("max_concurrent_rollouts", "consumer_batch_size", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_head_offpolicyness < 0:
+            raise ValueError(
+                f"max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}"
+            )
+
+    def capacity(self, version: int, running: int, accepted: int) -> int:
+        """How many more episodes may start at policy `version` (may be <= 0)."""
+        per_rank_concurrency = max(1, self.max_concurrent_rollouts // self.world_size)
+        per_rank_batch = max(1, self.consumer_batch_size // self.world_size)
+        by_concurrency = per_rank_concurrency - running
+        budget = (self.max_head_offpolicyness + version + 1) * per_rank_batch
+        by_staleness = budget - (accepted + running)
+        return min(by_concurrency, by_staleness)
