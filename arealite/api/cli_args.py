@@ -3,7 +3,9 @@
 Every field has a default and a help text (`field(metadata={"help": ...})`); validation lives in
 `__post_init__`, so an impossible config fails when it is loaded, before any process starts.
 `load_expr_config(argv, GRPOConfig)` reads `--config x.yaml` and then dotted `key=value`
-overrides, and names the key (and the closest valid one) when something is wrong.
+overrides, and names the key (and the closest valid one) when something is wrong. Choices are
+`Literal[...]` types. The launch-side configs (servers, cluster, launchers) live in
+`launch_config.py`, the algorithm presets in `presets.py`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -14,8 +16,16 @@ from typing import Literal, Optional
 
 from omegaconf import MISSING
 
-from arealite.api.config_loader import ConfigError, check_choices, load_expr_config, to_yaml
+from arealite.api.config_loader import ConfigBase, ConfigError, load_expr_config, to_yaml
+from arealite.api.config_loader import help_text as _help
 from arealite.api.io_struct import AllocationMode, GenerationHyperparameters
+from arealite.api.launch_config import (
+    ClusterConfig,
+    LauncherConfig,
+    NameResolveConfig,
+    ServerConfig,
+    SlurmConfig,
+)
 from arealite.api.presets import ACTOR_PRESETS, PresetName
 
 __all__ = [
@@ -48,27 +58,14 @@ __all__ = [
 ]
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-@dataclass
-class _Config:
-    """Base of every config: its `Literal[...]` fields are its choices, and the allowed values
-    show in the type, in the YAML loader's errors and in errors of configs built in Python."""
-
-    def __post_init__(self):
-        check_choices(self)
 
 
 # ----------------------------------------------------------------------------- training side
 
 
 @dataclass
-class MicroBatchSpec(_Config):
+class MicroBatchSpec(ConfigBase):
     """How a batch is split into micro-batches (packed, padding-free)."""
 
     n_mbs: int = field(default=1, metadata=_help("Minimum number of micro-batches."))
@@ -88,7 +85,7 @@ class MicroBatchSpec(_Config):
 
 
 @dataclass
-class OptimizerConfig(_Config):
+class OptimizerConfig(ConfigBase):
     """AdamW with warmup and a constant / linear / cosine schedule."""
 
     lr: float = field(default=1e-5, metadata=_help("Peak learning rate."))
@@ -122,7 +119,7 @@ class OptimizerConfig(_Config):
 
 
 @dataclass
-class FSDPConfig(_Config):
+class FSDPConfig(ConfigBase):
     """FSDP2 knobs."""
 
     param_dtype: Dtype = field(
@@ -134,7 +131,7 @@ class FSDPConfig(_Config):
 
 
 @dataclass
-class TrainEngineConfig(_Config):
+class TrainEngineConfig(ConfigBase):
     """A model trained by an FSDP2 engine."""
 
     path: str = field(default="", metadata=_help("HF model directory or hub id."))
@@ -265,7 +262,7 @@ class PPOCriticConfig(TrainEngineConfig):
 
 
 @dataclass
-class InferenceEngineConfig(_Config):
+class InferenceEngineConfig(ConfigBase):
     """The rollout client and its staleness control."""
 
     server_addrs: list[str] = field(
@@ -306,27 +303,11 @@ class InferenceEngineConfig(_Config):
             )
 
 
-@dataclass
-class ServerConfig(_Config):
-    """How the launcher starts inference servers (embedded, SGLang or vLLM)."""
-
-    model_path: str = field(default="", metadata=_help("Defaults to actor.path."))
-    dtype: Dtype = field(default="bfloat16", metadata=_help("Server weight dtype."))
-    host: str = field(default="127.0.0.1", metadata=_help("Bind address."))
-    max_batch_size: int = field(default=64, metadata=_help("Embedded server batch cap."))
-    mem_fraction_static: float = field(default=0.8, metadata=_help("SGLang KV memory fraction."))
-    context_length: Optional[int] = None
-    extra_args: list[str] = field(
-        default_factory=list, metadata=_help("Extra command-line args for the server.")
-    )
-    startup_timeout: float = field(default=300.0, metadata=_help("Seconds to become healthy."))
-
-
 # ----------------------------------------------------------------------------- data and services
 
 
 @dataclass
-class DatasetConfig(_Config):
+class DatasetConfig(ConfigBase):
     path: str = field(
         default="", metadata=_help("HF hub id, local dir, jsonl/parquet file, or 'arith'.")
     )
@@ -353,7 +334,7 @@ class DatasetConfig(_Config):
 
 
 @dataclass
-class _FreqConfig(_Config):
+class _FreqConfig(ConfigBase):
     freq_epochs: Optional[int] = field(default=None, metadata=_help("Every N epochs."))
     freq_steps: Optional[int] = field(default=None, metadata=_help("Every N steps."))
     freq_secs: Optional[int] = field(default=None, metadata=_help("Every N seconds."))
@@ -381,7 +362,7 @@ class RecoverConfig(_FreqConfig):
 
 
 @dataclass
-class StatsLoggerConfig(_Config):
+class StatsLoggerConfig(ConfigBase):
     """TensorBoard + metrics JSONL always; wandb / swanlab when enabled."""
 
     wandb_mode: Literal["disabled", "online", "offline"] = "disabled"
@@ -390,54 +371,11 @@ class StatsLoggerConfig(_Config):
     print_every: int = field(default=1, metadata=_help("Progress line every N steps."))
 
 
-@dataclass
-class NameResolveConfig(_Config):
-    type: Literal["nfs", "ray"] = field(
-        default="nfs", metadata=_help("nfs: a shared filesystem; ray: a detached Ray actor.")
-    )
-    nfs_record_root: str = field(default="", metadata=_help("Default: <fileroot>/name_resolve."))
-
-
-@dataclass
-class ClusterConfig(_Config):
-    fileroot: str = field(default="runs", metadata=_help("Root of run directories."))
-    n_nodes: int = 1
-    n_gpus_per_node: int = field(default=0, metadata=_help("0 = CPU only."))
-    n_cpus_per_node: Optional[int] = None
-    name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.n_nodes < 1:
-            raise ConfigError(f"cluster.n_nodes must be >= 1, got {self.n_nodes}")
-        if self.n_gpus_per_node < 0:
-            raise ConfigError(f"cluster.n_gpus_per_node must be >= 0, got {self.n_gpus_per_node}")
-
-
-@dataclass
-class SlurmConfig(_Config):
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time: str = "72:00:00"
-    container_image: Optional[str] = None
-    extra_srun_args: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LauncherConfig(_Config):
-    trainer_port: Optional[int] = field(default=None, metadata=_help("torchrun master port."))
-    env_vars: list[str] = field(
-        default_factory=list, metadata=_help("KEY=VALUE for every process.")
-    )
-    ray_address: Optional[str] = field(default=None, metadata=_help("Ray cluster; null = local."))
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-
-
 # ----------------------------------------------------------------------------- experiments
 
 
 @dataclass
-class BaseExperimentConfig(_Config):
+class BaseExperimentConfig(ConfigBase):
     experiment_name: str = field(default=MISSING, metadata=_help("Experiment name (required)."))
     trial_name: str = field(default=MISSING, metadata=_help("Trial name (required)."))
     allocation_mode: str = field(default="d1p1t1", metadata=_help("See AllocationMode."))

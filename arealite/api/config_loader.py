@@ -39,6 +39,20 @@ def choice_error(key: str, value: Any, allowed: tuple) -> ConfigError:
     return ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+def help_text(text: str) -> dict:
+    """`field(metadata=help_text(...))`: the help of a config field."""
+    return {"help": text}
+
+
+@dataclasses.dataclass
+class ConfigBase:
+    """Base of every config dataclass: its `Literal[...]` fields are its choices, and the allowed
+    values show in the type, in the loader's errors and in errors of configs built in Python."""
+
+    def __post_init__(self):
+        check_choices(self)
+
+
 def check_choices(config: Any) -> None:
     """Every `Literal`-typed field of the dataclass `config` holds an allowed value. The loader
     has checked them already (naming the full dotted key); this catches configs built in

@@ -116,25 +116,13 @@ def _patch_json(out_dir: str, name: str, **updates) -> None:
         json.dump(cfg, f, indent=2)
 
 
-def build_tiny_vlm(
-    out_dir: str,
-    seed: int = 1,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
-    vision_depth: int = 2,
-    vision_embed_dim: int = 64,
-    vision_heads: int = 4,
-    vocab_size: int = 1024,
-) -> str:
-    """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`."""
-    import torch
-    from transformers import AutoModelForImageTextToText, Qwen2VLConfig
+def _qwen2_vl_config(
+    tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vision_depth,
+    vision_embed_dim, vision_heads,
+):  # fmt: skip
+    """A Qwen2VLConfig for tokenizer `tok` (the special token ids come from it)."""
+    from transformers import Qwen2VLConfig
 
-    processor = build_tiny_vlm_processor(out_dir, vocab_size=vocab_size)
-    tok = processor.tokenizer
     head_dim = hidden_size // num_heads
     # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width); Qwen2-VL uses 1:1.5:1.5.
     t_sec = head_dim // 8
@@ -176,6 +164,31 @@ def build_tiny_vlm(
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
         tie_word_embeddings=False,
     )
+    return config
+
+
+def build_tiny_vlm(
+    out_dir: str,
+    seed: int = 1,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    vision_depth: int = 2,
+    vision_embed_dim: int = 64,
+    vision_heads: int = 4,
+    vocab_size: int = 1024,
+) -> str:
+    """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    processor = build_tiny_vlm_processor(out_dir, vocab_size=vocab_size)
+    config = _qwen2_vl_config(
+        processor.tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+        vision_depth, vision_embed_dim, vision_heads,
+    )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
