@@ -3,7 +3,8 @@
 May import `arealite.api` and `arealite.utils` (never `engine`: it drives any InferenceEngine).
 """
 
-from arealite.rollout.executor import RolloutStat, WorkflowExecutor
+from arealite.rollout.episodes import RolloutStat
+from arealite.rollout.executor import WorkflowExecutor
 from arealite.rollout.staleness import StalenessController
 
 __all__ = ["RolloutStat", "StalenessController", "WorkflowExecutor"]

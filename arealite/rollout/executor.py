@@ -18,17 +18,16 @@ import asyncio
 import dataclasses
 import logging
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict
 
-from arealite.api.workflow_api import RolloutError, RolloutWorkflow
-from arealite.rollout.replay import Cursor, DataloaderFeed
+from arealite.api.workflow_api import RolloutWorkflow
+from arealite.rollout.episodes import Episode, EpisodeBook, Group, run_episode
+from arealite.rollout.replay import DataloaderFeed
 from arealite.rollout.staleness import StalenessController
 from arealite.utils.data import concat_padded_tensors
 from arealite.utils.loop_thread import LoopThread
@@ -40,36 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("arealite.rollout")
 
 POLL_S = 1.0  # fallback wake-up of the loop and of waiting callers
-
-
-@dataclass
-class RolloutStat:
-    """Episode counters since the start of training (restored on recovery)."""
-
-    submitted: int = 0  # handed to submit()
-    running: int = 0  # started and not finished
-    accepted: int = 0  # finished and accepted (consumed or not)
-    rejected: int = 0  # finished as None or refused by should_accept
-    failed: int = 0  # raised an exception
-
-
-@dataclass
-class _Episode:
-    data: Any
-    workflow: RolloutWorkflow
-    should_accept: Callable[[TensorDict], bool] | None
-    group: _Group | None = None
-    index: int = 0
-    cursor: Cursor | None = None  # where prepare_batch pulled it from
-
-
-class _Group:
-    """The episodes of one `rollout_batch` call: results come back to it, in input order."""
-
-    def __init__(self, n: int):
-        self.results: list[TensorDict | None] = [None] * n
-        self.done = 0
-        self.error: RolloutError | None = None
 
 
 class WorkflowExecutor:
@@ -90,12 +59,10 @@ class WorkflowExecutor:
         self.staleness = StalenessController(
             self.max_concurrent, config.consumer_batch_size, config.max_head_offpolicyness
         )
-        self.stat = RolloutStat()
         self.feed = DataloaderFeed()
-        self._input: queue.Queue[_Episode] = queue.Queue(maxsize=self.queue_size)
-        self._results: deque[tuple[TensorDict, _Episode]] = deque()
-        self._errors: deque[RolloutError] = deque()
-        self._cond = threading.Condition()
+        self._book = EpisodeBook(self.feed)
+        self._cond = self._book.cond  # guards the counters, results, errors and _paused
+        self._input: queue.Queue[Episode] = queue.Queue(maxsize=self.queue_size)
         self._tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly
         self._paused = False
         self._exiting = False
@@ -139,9 +106,9 @@ class WorkflowExecutor:
             self._loop.call_soon(ev.set)
 
     def _on_loop_exit(self, fut) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
+        if not fut.cancelled() and fut.exception() is not None:  # surfaced to wait()/submit()
             logger.error("rollout loop crashed", exc_info=fut.exception())
-            self._loop_error = fut.exception()  # surfaced to callers of wait()/submit()
+            self._loop_error = fut.exception()
         with self._cond:
             self._cond.notify_all()
 
@@ -159,10 +126,10 @@ class WorkflowExecutor:
         """How many more episodes may start now (may be <= 0)."""
         v = self.engine.get_version()
         with self._cond:
-            s = self.stat
+            s = self._book.stat
             allowed = self.staleness.capacity(v, s.running, s.accepted)
             # Never start an episode whose result could not be buffered (bounded output).
-            by_buffer = self.queue_size - len(self._results) - s.running
+            by_buffer = self.queue_size - len(self._book.results) - s.running
         return min(allowed, by_buffer)
 
     # ------------------------------------------------------------------ submission
@@ -175,9 +142,9 @@ class WorkflowExecutor:
     ) -> None:
         """Queue one episode (non-blocking). Raises `queue.Full` when `queue_size` episodes are
         already waiting to start (raise rollout.queue_size or wait() first)."""
-        self._submit(_Episode(data, workflow, should_accept))
+        self._submit(Episode(data, workflow, should_accept))
 
-    def _submit(self, ep: _Episode) -> None:
+    def _submit(self, ep: Episode) -> None:
         self._check_alive()
         if not isinstance(ep.workflow, RolloutWorkflow):
             raise TypeError(f"workflow must be a RolloutWorkflow, got {type(ep.workflow).__name__}")
@@ -189,7 +156,7 @@ class WorkflowExecutor:
                 "raise rollout.queue_size or collect results with wait() first"
             ) from None
         with self._cond:
-            self.stat.submitted += 1
+            self._book.stat.submitted += 1
         self.notify()
 
     def _check_alive(self) -> None:
@@ -213,20 +180,16 @@ class WorkflowExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._errors:
-                    raise self._errors.popleft()
-                if len(self._results) >= count:
-                    taken = [self._results.popleft() for _ in range(count)]
-                    for _, ep in taken:
-                        self.feed.mark_done(ep.cursor)
-                    out = [r for r, _ in taken]
-                    self.last_batch_data = [ep.data for _, ep in taken]
+                if self._book.errors:
+                    raise self._book.errors.popleft()
+                if len(self._book.results) >= count:
+                    out, self.last_batch_data = self._book.take(count)
                     break
                 self._raise_if_stopped()
                 remaining = POLL_S if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"wait({count}): only {len(self._results)} accepted episodes after "
+                        f"wait({count}): only {len(self._book.results)} accepted episodes after "
                         f"{timeout}s ({self._describe()})"
                     )
                 self._cond.wait(min(remaining, POLL_S))
@@ -240,7 +203,7 @@ class WorkflowExecutor:
             raise RuntimeError("WorkflowExecutor was destroyed while waiting")
 
     def _describe(self) -> str:
-        s = self.stat
+        s = self._book.stat
         return (
             f"running={s.running}, queued={self._input.qsize()}, accepted={s.accepted}, "
             f"rejected={s.rejected}, failed={s.failed}, version={self.engine.get_version()}, "
@@ -256,9 +219,9 @@ class WorkflowExecutor:
         """Run one episode per item and wait for all of them; returns the accepted ones in input
         order. Rejected episodes are left out; the first failure raises RolloutError."""
         items = list(data)
-        group = _Group(len(items))
+        group = Group(len(items))
         pending = deque(
-            _Episode(d, workflow, should_accept, group=group, index=i) for i, d in enumerate(items)
+            Episode(d, workflow, should_accept, group=group, index=i) for i, d in enumerate(items)
         )
         while True:
             while pending:
@@ -297,7 +260,7 @@ class WorkflowExecutor:
         while True:
             while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
-                    self._submit(_Episode(item, workflow, should_accept, cursor=cursor))
+                    self._submit(Episode(item, workflow, should_accept, cursor=cursor))
             try:
                 return self.wait(batch_size, timeout=POLL_S)
             except TimeoutError:
@@ -321,21 +284,17 @@ class WorkflowExecutor:
 
     def stats(self) -> dict[str, int]:
         """Counters for logging: submitted, running, accepted, rejected, failed, queued, ready."""
-        with self._cond:
-            out = asdict(self.stat)
-            out["queued"] = self._input.qsize()
-            out["ready"] = len(self._results)
-        return out
+        return {**self._book.snapshot(), "queued": self._input.qsize()}
 
     def state_dict(self) -> dict[str, Any]:
         """What recovery must restore: the staleness counters as if the episodes not yet
         consumed had never started (they are replayed), and where prepare_batch's replay
         starts (`position`: None = the dataloader's own state) with the done items after it."""
         with self._cond:
-            s = self.stat
+            s = self._book.stat
             return {
                 "submitted": s.submitted - self.feed.pending(),
-                "accepted": s.accepted - len(self._results),
+                "accepted": s.accepted - len(self._book.results),
                 "rejected": s.rejected,
                 "failed": s.failed,
                 **self.feed.state_dict(),
@@ -346,7 +305,7 @@ class WorkflowExecutor:
         at save time are lost; running = 0). Call before the first prepare_batch."""
         with self._cond:
             for k in ("submitted", "accepted", "rejected", "failed"):
-                setattr(self.stat, k, int(state.get(k, 0)))
+                setattr(self._book.stat, k, int(state.get(k, 0)))
             self.feed.load_state_dict(state)
         self.notify()
 
@@ -371,63 +330,14 @@ class WorkflowExecutor:
                 ep = self._input.get_nowait()
             except queue.Empty:
                 return
-            task = asyncio.ensure_future(self._run_episode(ep))
-            with self._cond:
-                self.stat.running += 1
-                self._cond.notify_all()  # the input queue has room again
+            task = asyncio.ensure_future(run_episode(ep, self.engine))
+            self._book.on_started()
             self._tasks.add(task)
             task.add_done_callback(lambda t, ep=ep: self._on_done(t, ep))
             n -= 1
 
-    async def _run_episode(self, ep: _Episode) -> TensorDict | None:
-        """The episode, then its acceptance test; any exception is the episode's failure."""
-        result = await ep.workflow.arun_episode(self.engine, ep.data)
-        if result is not None and not isinstance(result, TensorDict):
-            raise TypeError(
-                f"arun_episode must return a TensorDict or None, got {type(result).__name__}"
-            )
-        if result is not None and ep.should_accept is not None and not ep.should_accept(result):
-            return None
-        return result
-
-    def _on_done(self, task: asyncio.Task, ep: _Episode) -> None:
+    def _on_done(self, task: asyncio.Task, ep: Episode) -> None:
         self._tasks.discard(task)
-        if task.cancelled():
-            with self._cond:
-                self.stat.running -= 1
-                self._cond.notify_all()
-            return
-        error = task.exception()
-        result = task.result() if error is None else None
-        with self._cond:
-            self.stat.running -= 1
-            if error is not None:
-                self.stat.failed += 1
-                self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
-            elif result is None:
-                self.stat.rejected += 1
-                self._finish_in_group(ep)
-            else:
-                self.stat.accepted += 1
-                if ep.group is not None:
-                    ep.group.results[ep.index] = result
-                    ep.group.done += 1
-                else:
-                    self._results.append((result, ep))
-            self._cond.notify_all()
+        self._book.on_done(task, ep)
         if self._wakeup is not None:
             self._wakeup.set()  # a slot is free
-
-    def _finish_in_group(self, ep: _Episode) -> None:
-        """Under self._cond: a rejected or failed episode needs no replay; count it done."""
-        self.feed.mark_done(ep.cursor)
-        if ep.group is not None:
-            ep.group.done += 1
-
-    def _record_error(self, ep: _Episode, err: RolloutError) -> None:
-        logger.error("%s", err, exc_info=err.__cause__)
-        self._finish_in_group(ep)
-        if ep.group is not None:
-            ep.group.error = ep.group.error or err
-        else:
-            self._errors.append(err)

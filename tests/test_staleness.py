@@ -1,0 +1,69 @@
+"""StalenessController: the admission formula of DESIGN.md, checked case by case."""
+
+from __future__ import annotations
+
+import pytest
+
+from arealite.rollout import StalenessController
+
+
+def capacity_by_formula(C, B, eta, W, v, running, accepted):
+    """min(C/W - running, (eta + v + 1) * B/W - (accepted + running)), as DESIGN.md writes it."""
+    c, b = max(1, C // W), max(1, B // W)
+    return min(c - running, (eta + v + 1) * b - (accepted + running))
+
+
+def test_synchronous_rl_admits_exactly_one_batch_per_version():
+    s = StalenessController(
+        max_concurrent_rollouts=64, consumer_batch_size=8, max_head_offpolicyness=0
+    )
+    assert s.capacity(version=0, running=0, accepted=0) == 8
+    assert s.capacity(version=0, running=3, accepted=5) == 0  # the batch is spent
+    assert s.capacity(version=1, running=0, accepted=8) == 8  # the next version, the next batch
+
+
+def test_eta_lets_rollouts_run_eta_versions_ahead():
+    s = StalenessController(
+        max_concurrent_rollouts=100, consumer_batch_size=4, max_head_offpolicyness=2
+    )
+    assert s.capacity(version=0, running=0, accepted=0) == 12  # (2 + 0 + 1) * 4
+    assert s.capacity(version=0, running=4, accepted=8) == 0
+    assert s.capacity(version=3, running=4, accepted=8) == 12  # (2 + 3 + 1) * 4 - 12
+
+
+def test_concurrency_caps_and_world_size_splits_the_budget():
+    s = StalenessController(
+        max_concurrent_rollouts=6, consumer_batch_size=100, max_head_offpolicyness=0
+    )
+    assert s.capacity(version=0, running=2, accepted=0) == 4
+    two = StalenessController(6, 8, 1, world_size=2)  # per rank: C = 3, B = 4
+    assert two.capacity(version=0, running=0, accepted=0) == 3
+    assert two.capacity(version=0, running=1, accepted=6) == 1  # (1 + 0 + 1) * 4 - 7
+    tiny = StalenessController(1, 1, 0, world_size=4)  # never rounds a rank's share to zero
+    assert tiny.capacity(version=0, running=0, accepted=0) == 1
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_matches_the_documented_formula(W, eta):
+    s = StalenessController(10, 6, eta, world_size=W)
+    for v in range(4):
+        for running in range(0, 8, 3):
+            for accepted in range(0, 30, 7):
+                got = s.capacity(version=v, running=running, accepted=accepted)
+                assert got == capacity_by_formula(10, 6, eta, W, v, running, accepted)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(max_concurrent_rollouts=0), "max_concurrent_rollouts"),
+        (dict(consumer_batch_size=0), "consumer_batch_size"),
+        (dict(max_head_offpolicyness=-1), "max_head_offpolicyness"),
+        (dict(world_size=0), "world_size"),
+    ],
+)
+def test_bad_settings_name_the_setting(kw, name):
+    args = dict(max_concurrent_rollouts=4, consumer_batch_size=4, max_head_offpolicyness=0)
+    with pytest.raises(ValueError, match=name):
+        StalenessController(**{**args, **kw})
