@@ -86,21 +86,53 @@ def test_packed_logprobs_equal_unpacked_forward(make_engine, tiny_model_dir, att
 
 
 def test_sdpa_attends_within_each_sequence_only(make_engine, monkeypatch):
-    """Packed sdpa_varlen (the default) runs per sequence (cost sum L_i^2): no attention call
-    spans the packed row."""
+    """Packed sdpa_varlen (the default) attends per sequence: every attention call holds whole
+    sequences as rows of its batch (padded to the group's longest), never the packed row."""
     batch = make_batch(n=6, seed=3)
     engine = make_engine(max_tokens=None)  # one packed row of all sequences
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, *args, **kw):
-        seen.append(q.shape[2])
+        seen.append(tuple(q.shape[:3:2]))  # (sequences, padded length)
         return sdpa(q, k, v, *args, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     engine.compute_logprobs(batch)
     lens = batch["attention_mask"].sum(1).tolist()
-    assert sorted(set(seen)) == sorted(set(lens))
+    n_layers = engine.model.config.num_hidden_layers
+    assert max(m for _, m in seen) == max(lens) < sum(lens)
+    assert sum(n for n, _ in seen) == len(lens) * n_layers  # each sequence once per layer
+
+
+def test_varlen_groups_equal_a_per_sequence_loop():
+    """The grouped, padded sdpa_varlen kernel equals causal sdpa run on each sequence alone
+    (outputs and gradients, fp64), for equal, spread and single lengths."""
+    from arealite.engine.varlen_attention import plan_groups, sdpa_varlen_attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    module = torch.nn.Module()
+    for lens in ([25] * 32, [17, 33, 20, 25, 29], list(range(64, 513, 28)), [5]):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        T, g = sum(lens), torch.Generator().manual_seed(0)
+        q, k, v = (
+            torch.randn(1, h, T, 16, dtype=torch.float64, generator=g).requires_grad_()
+            for h in (8, 4, 4)
+        )
+        out = sdpa_varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu)[0]
+        bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        ref = torch.cat(
+            [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True)
+             for s, e in bounds], 2,
+        ).transpose(1, 2)  # fmt: skip
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+        got = torch.autograd.grad((out * w).sum(), (q, k, v))
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        assert sorted(i for grp in plan_groups(tuple(lens)) for i in grp) == list(range(len(lens)))
+    assert len(plan_groups((25,) * 32)) == 1  # short, similar lengths: one call
 
 
 def test_forward_restores_original_order(make_engine):

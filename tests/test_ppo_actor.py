@@ -180,6 +180,39 @@ def test_ppo_update_follows_the_advantages(make_actor, decoupled):
         assert stats["behave_kl_k1"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_one_minibatch_reuses_the_training_forward_as_proximal_policy(make_actor, decoupled):
+    """With one minibatch, ppo_update without prox_logp (proximal logprobs taken, detached, from
+    its own training forward) equals the explicit recompute: same loss, stats and weights."""
+    kw = dict(group_size=2, use_decoupled_loss=decoupled, behav_imp_weight_cap=5.0)
+    explicit, fused = make_actor(**kw), make_actor(**kw)
+    batch = rl_batch([1.0, 0.0, 0.0, 1.0, 1.0, 0.0], seed=5)
+    batch["logprobs"] = (explicit.compute_logp(batch) - 0.1) * batch["loss_mask"]
+    explicit.compute_advantages(batch)
+    fused_batch = batch.clone()
+    batch["prox_logp"] = explicit.compute_logp(batch)
+    want, got = explicit.ppo_update(batch), fused.ppo_update(fused_batch)
+    assert "prox_logp" not in fused_batch.keys()  # no separate forward ran
+    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    for key in ("behave_kl_k1", "behave_kl_k3", "behave_imp_weight", "importance_weight"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    for a, b in zip(explicit.model.parameters(), fused.model.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+def test_several_minibatches_recompute_the_proximal_policy_first(make_actor):
+    """With n minibatches the proximal policy must be the weights before the first step: the
+    actor recomputes prox_logp itself when the batch lacks it."""
+    actor = make_actor(group_size=2, ppo_n_minibatches=2, use_decoupled_loss=True)
+    batch = rl_batch([1.0, 0.0, 0.0, 1.0], seed=6)
+    batch["logprobs"] = actor.compute_logp(batch) * batch["loss_mask"]
+    before = actor.compute_logp(batch)
+    actor.compute_advantages(batch)
+    stats = actor.ppo_update(batch)
+    torch.testing.assert_close(batch["prox_logp"], before, rtol=0, atol=0)
+    assert stats["n_minibatches"] == 2 and stats["behave_kl_k1"] == pytest.approx(0, abs=1e-6)
+
+
 def test_reference_and_critic(make_actor, tiny_model_dir):
     actor = make_actor(group_size=2)
     ref = make_actor(config=actor_config(tiny_model_dir, optimizer=None))

@@ -3,19 +3,81 @@
 A packed row holds several sequences that must not attend to each other. On GPU, flash
 attention's varlen kernel does this from `cu_seqlens`; sdpa/eager instead need a dense
 [T, T] block-diagonal mask, whose cost grows with the square of the whole micro-batch
-(T = thousands of tokens) although only each sequence's own square is useful. `sdpa_varlen`
-runs causal sdpa once per sequence (split at `cu_seq_lens_q`), so attention costs the sum of
-L_i^2 and no mask is built. Registered with transformers' AttentionInterface under this name;
-`attn_impl: sdpa_varlen` selects it.
+(T = thousands of tokens) although only each sequence's own square is useful.
+
+`sdpa_varlen` sorts the sequences by length and runs one causal sdpa call per *group* of
+similar lengths, each sequence right-padded to its group's longest. Causal attention over a
+right-padded row is exact for the real positions (a real query only sees keys at or before
+it, all real), so padding costs compute, never correctness. The grouping minimises a cost
+model: per call a fixed overhead, per sequence its padded length and its square (a DP over
+the sorted lengths; cached per length profile). 32 GRPO samples of ~25 tokens become one
+call instead of 32; lengths spread over 64..512 become a few calls of similar lengths. On
+CPU short groups use the math kernel, whose backward is several times faster than the CPU
+flash kernel's below ~128 tokens. Registered with transformers' AttentionInterface under
+this name; `attn_impl: sdpa_varlen` selects it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 
 NAME = "sdpa_varlen"
+
+# Cost model of one sdpa call over n sequences padded to M (units: attention pairs).
+CALL_OVERHEAD = 128 * 128
+PER_TOKEN = 64
+# On CPU, groups up to this padded length use the math kernel (faster backward).
+CPU_MATH_MAX_LEN = 128
+
+
+def group_cost(n: int, longest: int) -> int:
+    return CALL_OVERHEAD + n * (longest * longest + PER_TOKEN * longest)
+
+
+@functools.lru_cache(maxsize=256)
+def plan_groups(lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Sequence indices per sdpa call: a partition of the length-sorted sequences into
+    contiguous runs minimising the summed `group_cost` (O(n^2) DP, n = sequences)."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    best = [0] + [None] * len(order)  # best[i]: cost of the first i sorted sequences
+    cut = [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        for j in range(i):  # last group = order[j:i], its longest is order[j]
+            c = best[j] + group_cost(i - j, lengths[order[j]])
+            if best[i] is None or c < best[i]:
+                best[i], cut[i] = c, j
+    groups, i = [], len(order)
+    while i > 0:
+        groups.append(tuple(order[cut[i] : i]))
+        i = cut[i]
+    return tuple(reversed(groups))
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_plan(lengths: tuple[int, ...], device: torch.device):
+    """Per group (token index [n, M] into the packed row, flat index of its real tokens in
+    the [n*M] padded layout), and the permutation from group order back to packed order."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    groups, order = [], []
+    for members in plan_groups(lengths):
+        longest = max(lengths[i] for i in members)
+        pos = torch.arange(longest)
+        first = torch.tensor([starts[i] for i in members])[:, None]
+        lens = torch.tensor([lengths[i] for i in members])[:, None]
+        real = pos[None] < lens
+        index = torch.where(real, first + pos[None], first)  # pads re-read a real token
+        groups.append((index.to(device), real.flatten().nonzero()[:, 0].to(device), longest))
+        order.append(index[real])
+    inverse = torch.empty(starts[-1], dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(starts[-1])
+    return groups, inverse.to(device)
 
 
 def sdpa_varlen_attention(
@@ -34,19 +96,29 @@ def sdpa_varlen_attention(
         raise ValueError(f"attn_impl={NAME} needs cu_seq_lens_q (packed inputs)")
     if query.shape[0] != 1:
         raise ValueError(f"attn_impl={NAME} expects one packed row, got batch {query.shape[0]}")
-    bounds = cu_seq_lens_q.tolist()
-    n_rep = query.shape[1] // key.shape[1]
-    out = torch.empty_like(query)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0
-        )
-    return out.transpose(1, 2).contiguous(), None
+    lengths = tuple(cu_seq_lens_q.diff().tolist())
+    groups, inverse = _gather_plan(lengths, query.device)
+    # [T, H, D] token-major views: a group's rows are one index_select away.
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    dropout_p = dropout if module.training else 0.0
+    outs = []
+    for index, real, longest in groups:
+        qg, kg, vg = (x[index].transpose(1, 2) for x in (q, k, v))  # [n, H, M, D]
+        with _kernel_for(query.device, longest):
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=True
+            )
+        outs.append(og.transpose(1, 2).flatten(0, 1)[real])  # real tokens, [sum L, H, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[inverse][None], None
+
+
+def _kernel_for(device: torch.device, longest: int):
+    if device.type == "cpu" and longest <= CPU_MATH_MAX_LEN:
+        return sdpa_kernel(SDPBackend.MATH)
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
 
 
 def _no_mask(*args, **kwargs) -> None:

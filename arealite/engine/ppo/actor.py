@@ -39,6 +39,8 @@ from arealite.utils.functional import (
 
 # Statistics accumulated over micro-batches as token-weighted sums (then all-reduced).
 _SUM_KEYS = ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask", "entropy")
+# Trainer-vs-server logprob gap, summed in the update when prox_logp comes from its forward.
+_PROX_KEYS = ("behave_kl_k1", "behave_kl_k3")
 
 
 class PPOActor:
@@ -164,6 +166,8 @@ class PPOActor:
                 "actor.kl_ctl > 0 needs 'ref_logp' in the batch: batch['ref_logp'] = "
                 "ref.compute_logp(batch)"
             )
+        if "prox_logp" not in data.keys() and self._needs_prox():
+            data["prox_logp"] = self.compute_logp(data)  # the KL is of the proximal policy
         logp = data["prox_logp"] if "prox_logp" in data.keys() else data["logprobs"]
         kl = kl_estimator(logp.float(), data["ref_logp"].float(), self.config.kl_estimator)
         return torch.where(loss_mask, -self.config.kl_ctl * kl, zeros)
@@ -176,33 +180,55 @@ class PPOActor:
         Standard PPO: old = recomputed `prox_logp` (or the server's `logprobs` when
         recompute_logprob=false). Decoupled PPO: old = behaviour `logprobs`, proximal =
         `prox_logp`; the behaviour importance weight corrects for stale rollouts.
+
+        `prox_logp` need not be in the batch. With one minibatch the proximal policy is the
+        current weights before the step, i.e. the training forward's own logprobs, detached:
+        they are used directly (bit-identical loss, one forward pass saved). With more
+        minibatches they are recomputed here with `compute_logp` before the first step.
         """
         cfg = self.config
-        needed = ["loss_mask", "advantages", "logprobs"]
-        if cfg.recompute_logprob:
-            needed.append("prox_logp")
-        missing = [k for k in needed if k not in data.keys()]
+        needs_prox = self._needs_prox()
+        missing = [k for k in ("loss_mask", "advantages", "logprobs") if k not in data.keys()]
         error = None
         if missing:
-            hint = {
-                "advantages": "call actor.compute_advantages(batch) first",
-                "prox_logp": "batch['prox_logp'] = actor.compute_logp(batch)",
-            }.get(missing[0], "the rollout must provide it")
+            hint = {"advantages": "call actor.compute_advantages(batch) first"}.get(
+                missing[0], "the rollout must provide it"
+            )
             error = KeyError(f"ppo_update: batch has no {missing[0]!r} ({hint})")
         du.raise_if_any_rank_failed(error)
+        fuse_prox = needs_prox and "prox_logp" not in data.keys()
+        if fuse_prox and cfg.ppo_n_minibatches > 1:
+            data["prox_logp"] = self.compute_logp(data)
+            fuse_prox = False
         stats = self._batch_stats(data)
-        acc = dict.fromkeys((*_SUM_KEYS, "n_tokens", "behave_imp_weight", "behave_n"), 0.0)
-        loss_fn = self._make_loss_fn(acc)
+        keys = (*_SUM_KEYS, *_PROX_KEYS, "n_tokens", "behave_imp_weight", "behave_n")
+        acc = dict.fromkeys(keys, 0.0)
+        acc["behave_logp_absdiff_max"] = 0.0
+        loss_fn = self._make_loss_fn(acc, fuse_prox)
         step_stats = []
         self.engine.train()
         for mb in split_padded_tensor_dict(data, cfg.ppo_n_minibatches):
             step_stats.append(self.engine.train_batch(mb, loss_fn, _n_targets))
+        stats.update(self._update_stats(acc, step_stats, fuse_prox))
+        return stats
+
+    def _needs_prox(self) -> bool:
+        return self.config.use_decoupled_loss or self.config.recompute_logprob
+
+    def _update_stats(
+        self, acc: dict[str, float], step_stats: list[dict[str, float]], fused_prox: bool
+    ) -> dict[str, float]:
+        """Global statistics of the update from the micro-batch sums in `acc`."""
+        gap = acc.pop("behave_logp_absdiff_max")
         totals = dict(zip(acc, du.all_reduce_sum(list(acc.values()))))
         n = max(totals["n_tokens"], 1.0)
-        for k in _SUM_KEYS:
-            stats[k.replace("_mask", "_ratio")] = totals[k] / n
+        stats = {k.replace("_mask", "_ratio"): totals[k] / n for k in _SUM_KEYS}
         stats["behave_imp_weight"] = totals["behave_imp_weight"] / max(totals["behave_n"], 1.0)
         stats["behave_mask_ratio"] = totals["behave_n"] / n
+        if fused_prox:  # what _batch_stats reports when prox_logp comes with the batch
+            stats["behave_kl_k1"] = totals["behave_kl_k1"] / n
+            stats["behave_kl_k3"] = totals["behave_kl_k3"] / n
+            stats["behave_logp_absdiff_max"] = du.all_reduce_max([gap])[0]
         for k in ("loss", "grad_norm"):
             stats[k] = sum(s[k] for s in step_stats) / len(step_stats)
         stats["lr"] = step_stats[-1]["lr"]
@@ -210,17 +236,18 @@ class PPOActor:
         stats["n_minibatches"] = float(len(step_stats))
         return stats
 
-    def _make_loss_fn(self, acc: dict[str, float]):
+    def _make_loss_fn(self, acc: dict[str, float], fuse_prox: bool):
         cfg = self.config
 
         def loss_fn(logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
             cu = mb["cu_seqlens"]
             logp, entropy = packed_logprobs(logits, mb["input_ids"], cu, cfg.temperature, True)
             mask = target_mask(mb)
+            prox = logp.detach() if fuse_prox else mb.get("prox_logp")
             if cfg.use_decoupled_loss:
-                old, prox = mb["logprobs"], mb["prox_logp"]
+                old = mb["logprobs"]
             else:
-                old, prox = (mb["prox_logp"] if cfg.recompute_logprob else mb["logprobs"]), None
+                old, prox = (prox if cfg.recompute_logprob else mb["logprobs"]), None
             loss, st = ppo_actor_loss_fn(
                 logp,
                 old.float(),
@@ -234,12 +261,9 @@ class PPOActor:
                 importance_sampling_level=cfg.importance_sampling_level,
                 cu_seqlens=cu,
             )
-            acc["n_tokens"] += float(mask.sum())
-            for k in ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask"):
-                acc[k] += float(st[k].float().sum())
-            acc["entropy"] += float(torch.where(mask, entropy.detach(), 0).sum())
-            acc["behave_imp_weight"] += float(st["behave_imp_weight"].sum())
-            acc["behave_n"] += float(st["behave_mask"].sum())
+            _accumulate(acc, st, mask, entropy)
+            if fuse_prox:
+                _accumulate_behaviour_gap(acc, mb["logprobs"].float(), logp.detach(), mask)
             return loss
 
         return loss_fn
@@ -265,6 +289,30 @@ class PPOActor:
             data["advantages"].float(), mask, all_reduce=True
         ).item()
         return stats
+
+
+def _accumulate(
+    acc: dict[str, float], st: dict[str, torch.Tensor], mask: torch.Tensor, entropy: torch.Tensor
+) -> None:
+    acc["n_tokens"] += float(mask.sum())
+    for k in ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask"):
+        acc[k] += float(st[k].float().sum())
+    acc["entropy"] += float(torch.where(mask, entropy.detach(), 0).sum())
+    acc["behave_imp_weight"] += float(st["behave_imp_weight"].sum())
+    acc["behave_n"] += float(st["behave_mask"].sum())
+
+
+def _accumulate_behaviour_gap(
+    acc: dict[str, float], behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """KL(behaviour || current) estimators and the largest |logp gap| over target tokens."""
+    for kind in ("k1", "k3"):
+        acc[f"behave_kl_{kind}"] += float(
+            torch.where(mask, kl_estimator(behav, prox, kind), 0).sum()
+        )
+    if bool(mask.any()):
+        gap = float((behav - prox).abs()[mask].max())
+        acc["behave_logp_absdiff_max"] = max(acc["behave_logp_absdiff_max"], gap)
 
 
 def _n_targets(mb: dict[str, Any]) -> float:
