@@ -164,11 +164,10 @@ def main(
                 batch = executor.rollout_batch(rows, workflow)
         log_trained_items(trained_log, global_step, executor.last_batch_data)
 
-        # 2. Logprobs: proximal policy for the decoupled loss, reference for the KL term.
-        with stats_tracker.record_timing("compute_logp"):
-            if config.actor.recompute_logprob:
-                batch["prox_logp"] = actor.compute_logp(batch)
-            if ref is not None:
+        # 2. Reference logprobs for the KL term. The proximal policy of the decoupled loss
+        #    needs no call: ppo_update takes it from its own forward (or recomputes it).
+        if ref is not None:
+            with stats_tracker.record_timing("compute_logp"):
                 batch["ref_logp"] = ref.compute_logp(batch)
 
         # 3. Advantages and the PPO update.
