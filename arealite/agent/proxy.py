@@ -1,0 +1,274 @@
+"""`AgentProxy`: train black-box agents (other processes, any OpenAI client) through HTTP.
+
+The executor drives it like any workflow: each episode of `proxy.workflow` offers its data item
+as a task and waits. An agent process claims a task with `POST /v1/sessions` and gets
+`{session_id, base_url, api_key, data}`; it points its OpenAI client at `base_url` (the only
+change to the agent), then `POST {base_url}/reward` and `POST {base_url}/end`. Completions go
+through a `TrainingOpenAIClient` on the episode's engine, so the staleness bound applies to
+sessions exactly as to any episode: no session starts unless the executor started an episode.
+
+A finished session becomes that episode's training rows, once (ending twice is a 409). A session
+that ends without a reward, or is not ended within `session_timeout` (agent stuck, crashed or
+abandoned mid-way), is dropped: the episode returns None (counted as rejected by the executor)
+and `stats` says why; its in-flight generations are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from arealite.agent.client import TrainingOpenAIClient
+from arealite.agent.interactions import ExportStyle
+from arealite.api.io_struct import GenerationHyperparameters
+from arealite.api.workflow_api import RolloutWorkflow
+
+logger = logging.getLogger("arealite.agent")
+
+
+class _LoopBoundEngine:
+    """Runs `agenerate` on the executor's loop (where the engine's HTTP session lives) for a
+    proxy handler on another loop; remembers the futures so a dropped session can cancel them."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self.inflight: set[concurrent.futures.Future] = set()
+
+    async def agenerate(self, req):
+        fut = asyncio.run_coroutine_threadsafe(self.engine.agenerate(req), self.loop)
+        self.inflight.add(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        finally:
+            self.inflight.discard(fut)
+
+    def get_version(self) -> int:
+        return self.engine.get_version()
+
+    def cancel_all(self) -> None:
+        for fut in list(self.inflight):
+            fut.cancel()
+
+
+@dataclass
+class _Task:
+    data: Any
+    engine: _LoopBoundEngine
+    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Session:
+    id: str
+    key: str
+    task: _Task
+    client: TrainingOpenAIClient
+    deadline: float
+    rewarded: bool = False
+
+
+class ProxyWorkflow(RolloutWorkflow):
+    """One episode = one agent session on this data item (see AgentProxy)."""
+
+    def __init__(self, proxy: AgentProxy):
+        self.proxy = proxy
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]):
+        task = _Task(data, _LoopBoundEngine(engine, asyncio.get_running_loop()))
+        self.proxy.offer(task)
+        try:
+            return await asyncio.wrap_future(task.result)
+        except asyncio.CancelledError:
+            self.proxy.withdraw(task)
+            raise
+
+
+class AgentProxy:
+    """See the module docstring. `start()` serves on a background thread and returns the URL."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        gconfig: GenerationHyperparameters,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        session_timeout: float = 300.0,
+        export_style: ExportStyle = "concat",
+        turn_discount: float = 1.0,
+        tool_parser: str = "auto",
+    ):
+        self.tokenizer, self.gconfig = tokenizer, gconfig.new(n_samples=1)
+        self.host, self.port, self.api_key = host, port, api_key
+        self.session_timeout = session_timeout
+        self.export_style: ExportStyle = export_style
+        self.turn_discount = turn_discount
+        self.tool_parser = tool_parser
+        self.stats: Counter[str] = Counter()
+        self.workflow = ProxyWorkflow(self)
+        self._tasks: deque[_Task] = deque()
+        self._sessions: dict[str, _Session] = {}
+        self._closed: set[str] = set()  # ended or expired session ids (answered with 409)
+        self._lock = threading.Lock()
+        self._task_ready: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def open_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    @property
+    def queued_tasks(self) -> int:
+        with self._lock:
+            return len(self._tasks)
+
+    # ---- the executor's side (any thread) -----------------------------------------------------
+    def offer(self, task: _Task) -> None:
+        with self._lock:
+            self._tasks.append(task)
+        self.stats["offered"] += 1
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._task_ready.set)
+
+    def withdraw(self, task: _Task) -> None:
+        """The episode was cancelled: forget its task or session."""
+        with self._lock:
+            if task in self._tasks:
+                self._tasks.remove(task)
+            for sid, s in list(self._sessions.items()):
+                if s.task is task:
+                    del self._sessions[sid]
+                    s.task.engine.cancel_all()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self._serve, name="agent-proxy", daemon=True)
+        self._thread.start()
+        if not self._started.wait(30):
+            raise RuntimeError("agent proxy did not start within 30s")
+        return self.url
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(30)
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+            tasks, self._tasks = list(self._tasks), deque()
+        for t in [s.task for s in sessions] + tasks:
+            t.engine.cancel_all()
+            if not t.result.done():
+                t.result.set_result(None)
+
+    def _serve(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task_ready, self._stop = asyncio.Event(), asyncio.Event()
+        runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        reaper = asyncio.ensure_future(self._reap_expired())
+        self._started.set()
+        await self._stop.wait()
+        reaper.cancel()
+        await runner.cleanup()
+
+    def _build_app(self) -> web.Application:
+        from arealite.agent.proxy_routes import add_routes
+
+        app = web.Application(client_max_size=64 * 1024**2)
+        add_routes(app, self)
+        return app
+
+    # ---- sessions (proxy loop) ----------------------------------------------------------------
+    async def claim(self, wait: float) -> _Session | None:
+        """The oldest offered task as a new session, waiting up to `wait` seconds for one."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                task = self._tasks.popleft() if self._tasks else None
+                if task is not None:
+                    return self._open(task)
+                self._task_ready.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._task_ready.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+
+    def _open(self, task: _Task) -> _Session:
+        client = TrainingOpenAIClient(task.engine, self.tokenizer, self.gconfig, self.tool_parser)
+        sid = secrets.token_hex(8)
+        session = _Session(sid, secrets.token_urlsafe(24), task, client,
+                           time.monotonic() + self.session_timeout)  # fmt: skip
+        self._sessions[sid] = session
+        self.stats["started"] += 1
+        return session
+
+    def session(self, sid: str, authorization: str) -> _Session:
+        with self._lock:
+            s = self._sessions.get(sid)
+            closed = sid in self._closed
+        if closed:
+            raise web.HTTPConflict(reason=f"session {sid!r} already ended or expired")
+        if s is None:
+            raise web.HTTPNotFound(reason=f"session {sid!r} is unknown, ended or expired")
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {s.key}".encode()):
+            raise web.HTTPUnauthorized(reason="wrong or missing session key (Bearer <api_key>)")
+        return s
+
+    def end(self, s: _Session) -> tuple[int, str]:
+        """Close `s`: its rows go to its episode (or it is dropped without a reward)."""
+        with self._lock:
+            if self._sessions.pop(s.id, None) is None:
+                return 0, "already ended"
+            self._closed.add(s.id)
+        if not s.rewarded or len(s.client.tree) == 0:
+            why = "no_reward" if not s.rewarded else "no_completions"
+            self.stats[why] += 1
+            s.task.result.set_result(None)
+            return 0, f"dropped: {why.replace('_', ' ')}"
+        rows = s.client.export_samples(self.export_style, self.turn_discount)
+        self.stats["finished"] += 1
+        s.task.result.set_result(rows)
+        return int(rows.batch_size[0]), "finished"
+
+    async def _reap_expired(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                expired = [s for s in self._sessions.values() if s.deadline < now]
+                for s in expired:
+                    del self._sessions[s.id]
+                    self._closed.add(s.id)
+            for s in expired:
+                logger.warning("agent session %s not ended within %ss; dropped", s.id,
+                               self.session_timeout)  # fmt: skip
+                self.stats["timed_out"] += 1
+                s.task.engine.cancel_all()
+                s.task.result.set_result(None)

@@ -1,0 +1,148 @@
+"""HTTP routes of the AgentProxy (kept apart from its session bookkeeping).
+
+POST /v1/sessions                         {"wait": s} -> {session_id, base_url, api_key, data}
+POST /sessions/{id}/v1/chat/completions   OpenAI chat completions (stream too)
+GET  /sessions/{id}/v1/models
+POST /sessions/{id}/v1/reward             {"reward": r, "completion_id"?, "choice_index"?}
+POST /sessions/{id}/v1/end                {"reward"?: final reward} -> {status, samples}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from arealite.utils.openai_chat import ChatRequestError, error_body, sse_event
+
+if TYPE_CHECKING:
+    from arealite.agent.proxy import AgentProxy
+
+logger = logging.getLogger("arealite.agent")
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, param), status=status)
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChatRequestError("body", f"not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ChatRequestError("body", "expected a JSON object")
+    return body
+
+
+def _reward(body: dict, required: bool) -> float | None:
+    r = body.get("reward")
+    if r is None and not required:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        raise ChatRequestError("reward", f"expected a finite number, got {json.dumps(r)[:40]}")
+    return float(r)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Client mistakes are OpenAI-shaped 4xx; nothing a client sends stops the proxy."""
+    try:
+        return await handler(request)
+    except ChatRequestError as e:
+        return _error(400, str(e), e.param)
+    except KeyError as e:  # unknown completion id in /reward
+        return _error(404, str(e.args[0]) if e.args else "not found", "completion_id")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        logger.exception("agent proxy: %s %s failed", request.method, request.path)
+        return _error(502, f"generation failed: {type(e).__name__}: {e}", None)
+
+
+def add_routes(app: web.Application, proxy: AgentProxy) -> None:
+    app.middlewares.append(_errors)
+
+    def session(request: web.Request):
+        return proxy.session(request.match_info["sid"], request.headers.get("Authorization", ""))
+
+    async def start_session(request: web.Request) -> web.Response:
+        if proxy.api_key and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {proxy.api_key}".encode()
+        ):
+            return _error(401, "wrong or missing proxy key (Bearer <api_key>)")
+        wait = (await _json(request)).get("wait", 30)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+            raise ChatRequestError("wait", "seconds to wait for a task, in [0, 3600]")
+        s = await proxy.claim(float(wait))
+        if s is None:
+            return web.Response(status=204)
+        base = f"{proxy.url}/sessions/{s.id}/v1"
+        return web.json_response(
+            {"session_id": s.id, "base_url": base, "api_key": s.key, "data": s.task.data}
+        )
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        s = session(request)
+        body = await _json(request)
+        result = await s.client.create_chat_completion(**body)
+        if not body.get("stream"):
+            return web.json_response(result.model_dump(exclude_unset=True))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async for chunk in result:
+            await resp.write(sse_event(chunk.model_dump(exclude_unset=True)))
+        await resp.write(sse_event("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        s = session(request)
+        card = {"id": s.client.model_name, "object": "model", "created": 0, "owned_by": "arealite"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def set_reward(request: web.Request) -> web.Response:
+        s = session(request)
+        body = await _json(request)
+        reward = _reward(body, required=True)
+        if body.get("completion_id") is None:
+            if len(s.client.tree) == 0:
+                raise ChatRequestError("reward", "the session made no chat completion to reward")
+            s.client.set_final_reward(reward)
+        else:
+            s.client.set_reward(
+                str(body["completion_id"]), reward, int(body.get("choice_index", 0))
+            )
+        s.rewarded = True
+        return web.json_response({"ok": True})
+
+    async def end(request: web.Request) -> web.Response:
+        s = session(request)
+        reward = _reward(await _json(request), required=False)
+        if reward is not None:
+            if len(s.client.tree) == 0:
+                raise ChatRequestError("reward", "the session made no chat completion to reward")
+            s.client.set_final_reward(reward)
+            s.rewarded = True
+        samples, status = proxy.end(s)
+        if status == "already ended":
+            return _error(409, f"session {s.id} already ended")
+        return web.json_response({"status": status, "samples": samples})
+
+    app.router.add_post("/v1/sessions", start_session)
+    app.router.add_post("/sessions/{sid}/v1/chat/completions", chat_completions)
+    app.router.add_get("/sessions/{sid}/v1/models", models)
+    app.router.add_post("/sessions/{sid}/v1/reward", set_reward)
+    app.router.add_post("/sessions/{sid}/v1/end", end)
