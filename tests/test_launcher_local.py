@@ -75,7 +75,8 @@ import os, subprocess, sys, time
 from arealite.utils.lifeline import die_with_parent
 child = [sys.executable, "-c", sys.argv[1]]
 kw = {"preexec_fn": die_with_parent} if sys.argv[2] == "pdeathsig" else {}
-p = subprocess.Popen(child, stdout=sys.stdout, **kw)
+# stderr: a pipe that dies with us, as the launcher's pipe to torchrun does (a write raises)
+p = subprocess.Popen(child, stdout=sys.stdout, stderr=subprocess.PIPE, **kw)
 time.sleep(600)
 """
 WATCHER = """

@@ -55,7 +55,10 @@ def die_with_parent() -> None:
 
 
 def _kill_self_and_children(reason: str) -> None:
-    print(f"[lifeline] pid {os.getpid()}: {reason}; exiting", file=sys.stderr, flush=True)
+    try:  # the launcher that read our output may be gone: a broken pipe must not stop us
+        print(f"[lifeline] pid {os.getpid()}: {reason}; exiting", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
     try:
         import psutil
 

@@ -1,0 +1,231 @@
+"""Chaos: `kill -9` one process of a run (launcher, torchrun agent, trainer worker or inference
+server) at a random moment, rerun the same command where needed, and the run ends as if nothing
+had happened: no process of the killed run is left behind, every step is logged exactly once,
+every data item is trained on exactly once, and (synchronous RL) the final weights equal those
+of an uninterrupted run.
+
+Real processes throughout: the local launcher, torchrun, the embedded server, the tiny offline
+model warm-started by a short SFT (so that GRPO has a learning signal), the arith entry point.
+`CHAOS_TRIALS=N` runs N trials (default 6: every process type, then random ones);
+`CHAOS_SEED` picks the moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("launcher", "agent", "worker", "server")
+N_TRIALS = int(os.environ.get("CHAOS_TRIALS", "6"))
+SEED = int(os.environ.get("CHAOS_SEED", "16"))
+STEPS, SFT_STEPS = 4, 16
+ORPHAN_DEADLINE_S = 10.0
+
+
+def trial_plan() -> list[tuple[str, float]]:
+    """(process kind, seconds after step 1 is logged) per trial: every kind first."""
+    rng = random.Random(SEED)
+    kinds = [KINDS[i] if i < len(KINDS) else rng.choice(KINDS) for i in range(N_TRIALS)]
+    return [(k, round(rng.uniform(0.0, 2.0), 2)) for k in kinds]
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> list[str]:
+    name = script.removesuffix(".py")
+    return [
+        sys.executable, "-m", "arealite.launcher.local", os.path.join(ROOT, "examples", script),
+        "--config", os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
+        "experiment_name=chaos", f"trial_name={trial}", f"cluster.fileroot={fileroot}",
+        "train_dataset.n_operands=2", "valid_dataset=null", *overrides,
+    ]  # fmt: skip
+
+
+def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
+    """Synchronous GRPO (eta = 0, seeded sampling): a rerun regenerates the same tokens."""
+    return launcher_cmd(fileroot, trial, "arith_grpo.py", [
+        f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.size=256",
+        "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", "gconfig.n_samples=4",
+        "rollout.max_concurrent_rollouts=8", "actor.group_size=4", "gconfig.seed=7",
+        "server.dtype=float32", "actor.fsdp.param_dtype=float32", "recover.mode=auto",
+        "recover.freq_steps=1", "recover.retries=2", "async_training=false",
+        "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
+        "actor.use_decoupled_loss=false", "rollout.setup_timeout=120",
+    ])  # fmt: skip
+
+
+def run_to_end(cmd, log_path, timeout: float = 300) -> None:
+    with open(log_path, "ab") as log:
+        p = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    assert p.returncode == 0, open(log_path, errors="replace").read()[-6000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir) -> tuple[str, str]:
+    """(warm-started model, run dir of an uninterrupted GRPO run)."""
+    root = tmp_path_factory.mktemp("chaos")
+    sft = launcher_cmd(root, "sft", "arith_sft.py", [
+        f"model.path={tiny_model_dir}", f"total_train_steps={SFT_STEPS}",
+        "train_dataset.size=1024", "train_dataset.batch_size=32",
+    ])  # fmt: skip
+    run_to_end(sft, root / "sft.log")
+    model = str(root / "chaos" / "sft" / "checkpoints" / "final" / f"epoch0globalstep{SFT_STEPS}")
+    run_to_end(grpo_cmd(root, "ref", model), root / "ref.log")
+    ref_dir = str(root / "chaos" / "ref")
+    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+    return model, ref_dir
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def run_processes(launcher_pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(launcher_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def pick_victim(kind: str, launcher_pid: int) -> psutil.Process:
+    if kind == "launcher":
+        return psutil.Process(launcher_pid)
+    for p in run_processes(launcher_pid)[1:]:
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        is_agent = "torch.distributed.run" in cmd
+        if kind == "agent" and is_agent:
+            return p
+        if kind == "server" and "arealite.server" in cmd:
+            return p
+        if kind == "worker" and not is_agent and any(a.endswith("arith_grpo.py") for a in cmd):
+            return p
+    raise AssertionError(f"no {kind} process under launcher {launcher_pid}")
+
+
+def left_alive(procs: list[psutil.Process], deadline_s: float) -> list[str]:
+    """Processes of `procs` still running after `deadline_s` (zombies count as gone)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def metrics(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line torn by the kill is rewritten by the resume
+    return out
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir, k: int, log_path, timeout=240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(metrics(run_dir)) < k:
+        assert proc.poll() is None, open(log_path, errors="replace").read()[-4000:]
+        assert time.monotonic() < deadline, f"step {k} not reached in {timeout}s"
+        time.sleep(0.05)
+
+
+def trained_items(run_dir) -> dict[int, list[str]]:
+    """step -> query ids; a step redone after a resume counts once (the last time)."""
+    out = {}
+    for line in open(os.path.join(run_dir, "rollouts", "trained_rank0.jsonl")):
+        rec = json.loads(line)
+        out[rec["step"]] = rec["query_ids"]
+    return out
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    path = os.path.join(run_dir, "checkpoints", "final", f"epoch0globalstep{STEPS}")
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def assert_like_uninterrupted(run_dir: str, ref_dir: str) -> None:
+    steps = sorted(r["step"] for r in metrics(run_dir))
+    assert steps == list(range(STEPS)), f"steps logged: {steps} (each exactly once)"
+    items, ref_items = trained_items(run_dir), trained_items(ref_dir)
+    flat = [q for s in sorted(items) for q in items[s]]
+    assert len(flat) == len(set(flat)), "an item was trained twice"
+    assert set(flat) == {q for s in ref_items.values() for q in s}, "an item is missing"
+    assert items == ref_items
+    got, want = final_weights(run_dir), final_weights(ref_dir)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0, msg=k)
+
+
+# ----------------------------------------------------------------------------- the trials
+
+
+@pytest.mark.parametrize("trial", range(N_TRIALS))
+def test_kill_9_anywhere_then_rerun_ends_like_an_uninterrupted_run(trial, reference, tmp_path):
+    kind, delay = trial_plan()[trial]
+    model, ref_dir = reference
+    name = f"trial{trial}_{kind}"
+    run_dir, log = str(tmp_path / "chaos" / name), tmp_path / f"{name}.log"
+    cmd = grpo_cmd(tmp_path, name, model)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    before: list[psutil.Process] = []
+    try:
+        wait_for_step(proc, run_dir, 1, log)
+        time.sleep(delay)
+        assert proc.poll() is None, f"the run ended before the kill ({kind}, +{delay}s)"
+        victim, before = pick_victim(kind, proc.pid), run_processes(proc.pid)
+        children = [p for p in before if p.ppid() == victim.pid]
+        victim.send_signal(signal.SIGKILL)
+        if kind == "launcher":
+            proc.wait()
+            orphans = left_alive(before, ORPHAN_DEADLINE_S)
+            assert not orphans, f"{ORPHAN_DEADLINE_S}s after kill -9 of the launcher: {orphans}"
+            run_to_end(cmd, log)  # the same command again
+        else:
+            if kind == "agent":  # its workers must not outlive it (nor train beside the retry)
+                orphans = left_alive(children, ORPHAN_DEADLINE_S)
+                assert not orphans, f"{ORPHAN_DEADLINE_S}s after kill -9 of torchrun: {orphans}"
+            assert proc.wait(timeout=300) == 0, open(log, errors="replace").read()[-6000:]
+    finally:
+        for p in run_processes(proc.pid) + before:  # whatever a failed trial left
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    text = open(log, errors="replace").read()
+    if kind == "server":
+        assert "resumed from" not in text, "a server death must not end the trainer"
+    else:
+        assert "resumed from" in text
+    assert_like_uninterrupted(run_dir, ref_dir)
