@@ -21,6 +21,7 @@ from typing import Any
 from arealite.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
 from arealite.engine.remote_base import GenerateChunk, RemoteInferenceEngine
 from arealite.engine.server_http import ServerError, parse_version
+from arealite.utils.run_lock import fencing_token
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -72,6 +73,9 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
 
     async def update_server_from_disk(self, addr: str, meta: WeightUpdateMeta) -> None:
         payload = {"model_path": meta.path, "weight_version": str(meta.version)}
+        token = fencing_token()  # the run's owner: servers refuse updates from an older one
+        if token is not None:
+            payload["fencing_token"] = token
         body = await self.pool.call(addr, "POST", "/update_weights_from_disk", payload)
         _check_success(addr, "/update_weights_from_disk", body)
 
