@@ -83,6 +83,17 @@ class ProxyWorkflow(RolloutWorkflow):
     def __init__(self, proxy: AgentProxy):
         self.proxy = proxy
 
+    @property
+    def reward_stats(self) -> dict[str, int]:
+        """Session counters: offered, started, finished, no_reward, timed_out, ..."""
+        return dict(self.proxy.stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stats": dict(self.proxy.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.proxy.stats.update({k: int(v) for k, v in state["stats"].items()})
+
     async def arun_episode(self, engine: Any, data: dict[str, Any]):
         task = _Task(data, _LoopBoundEngine(engine, asyncio.get_running_loop()))
         self.proxy.offer(task)

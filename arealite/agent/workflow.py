@@ -62,6 +62,17 @@ class AgentWorkflow(RolloutWorkflow):
         self.chat_template_kwargs = chat_template_kwargs
         self.stats: Counter[str] = Counter()
 
+    @property
+    def reward_stats(self) -> dict[str, int]:
+        """runs / completions / timeouts / empty so far (what training scripts log)."""
+        return dict(self.stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = Counter({k: int(v) for k, v in state["stats"].items()})
+
     def new_client(self, engine: Any) -> TrainingOpenAIClient:
         return TrainingOpenAIClient(
             engine,
