@@ -322,3 +322,23 @@ def test_abort_by_someone_else_is_resumed(engine, server):
     resp = asyncio.run(scenario())
     assert resp.output_len == budget and resp.stop_reason == "length"
     assert engine.stats()["aborted_chunks"] == aborted_before + 1
+
+
+def test_a_weight_rollback_is_refused_and_the_trainer_sees_it(server, tiny_model_dir, monkeypatch):
+    """A stray trainer (an older owner of the run, or the same one going back) cannot roll
+    the server's weights back: update_weights raises naming the server and both versions."""
+    from arealite.utils.run_lock import FENCING_TOKEN_ENV
+
+    engine = make_engine([server.address])
+    try:
+        monkeypatch.setenv(FENCING_TOKEN_ENV, "100")
+        engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=50)).result(60)
+        monkeypatch.setenv(FENCING_TOKEN_ENV, "99")  # the previous owner, still running
+        with pytest.raises(RuntimeError, match=rf"{server.address}.*409.*fencing token 99"):
+            engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=60)).result(60)
+        monkeypatch.setenv(FENCING_TOKEN_ENV, "100")
+        with pytest.raises(RuntimeError, match="version 49 is older than the served version 50"):
+            engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=49)).result(60)
+        assert not engine.pool.failed  # a refusal is an error, not a dead server
+    finally:
+        engine.destroy()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from arealite.api.io_struct import WeightUpdateMeta
 from arealite.engine.server_http import ServerError, parse_version
+from arealite.engine.server_pool import NoServerAvailable
 
 if TYPE_CHECKING:
     from arealite.engine.remote_base import RemoteInferenceEngine
@@ -49,19 +50,21 @@ class WeightUpdates:
             try:
                 if c.config.pause_grace_period > 0:
                     await asyncio.sleep(c.config.pause_grace_period)
-                await c.pool.on_servers("pause_generation", c.pause_server)
-                if meta.type == "disk":
-                    await c.pool.on_servers(
-                        f"update_weights_from_disk({meta.path})",
-                        lambda a: c.update_server_from_disk(a, meta),
-                    )
-                else:
-                    await self._update_nccl(meta)
+                try:
+                    await self._pause_and_load(meta)
+                except (RuntimeError, NoServerAvailable) as e:
+                    if meta.type != "disk" or c.pool.alive():
+                        raise  # a server answered with an error: not a server death
+                    logger.warning(  # the run goes on: each server loads them as it returns
+                        "weights v%d not loaded now (%s); every server loads them from %s when "
+                        "it is back, before it serves again", meta.version, e, meta.path,
+                    )  # fmt: skip
                 self.version = meta.version
                 self.last = meta
             finally:
                 try:
-                    await c.pool.on_servers("continue_generation", c.continue_server)
+                    if c.pool.alive():  # servers that return are continued by restore_server
+                        await c.pool.on_servers("continue_generation", c.continue_server)
                 finally:
                     c.gen_allowed.set()
             c.counters["weight_updates"] += 1
@@ -72,6 +75,17 @@ class WeightUpdates:
                 len(c.pool.alive()),
                 time.perf_counter() - start,
             )
+
+    async def _pause_and_load(self, meta: WeightUpdateMeta) -> None:
+        c = self.client
+        await c.pool.on_servers("pause_generation", c.pause_server)
+        if meta.type == "disk":
+            await c.pool.on_servers(
+                f"update_weights_from_disk({meta.path})",
+                lambda a: c.update_server_from_disk(a, meta),
+            )
+        else:
+            await self._update_nccl(meta)
 
     async def nccl_world_size(self) -> int:
         return (await self._nccl_layout())[0]

@@ -83,6 +83,7 @@ class ServerPool:
         self.failed: dict[str, str] = {}
         self._rr = 0
         self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._outage_logged_at = -float("inf")
 
     # ------------------------------------------------------------------ routing
 
@@ -109,13 +110,30 @@ class ServerPool:
         """With every server down, wait up to `wait_timeout` for one to be re-admitted (a
         launcher restarts dead servers) before giving up."""
         deadline = time.monotonic() + self.wait_timeout
+        waited = False
         while True:
             try:
-                return self.choose(rid)
-            except NoServerAvailable:
+                addr = self.choose(rid)
+                if waited:
+                    logger.warning("request %s goes to %s, which is back", rid, addr)
+                return addr
+            except NoServerAvailable as e:
                 if time.monotonic() >= deadline:
                     raise
+                if not waited:
+                    self._log_outage(e)
+                waited = True
             await asyncio.sleep(0.5)
+
+    def _log_outage(self, e: NoServerAvailable) -> None:
+        """Once per outage (not once per waiting request)."""
+        now = time.monotonic()
+        if now - self._outage_logged_at > self.wait_timeout:
+            self._outage_logged_at = now
+            logger.warning(
+                "%s; requests wait up to %.0fs (rollout.setup_timeout) for one to come back",
+                e, self.wait_timeout,
+            )  # fmt: skip
 
     def no_server_error(self) -> NoServerAvailable:
         detail = "; ".join(f"{a}: {why}" for a, why in self.failed.items())
