@@ -1,4 +1,5 @@
 """Agents through the OpenAI API: train an agent written against the `openai` SDK.
+Imports arealite.api, arealite.utils, arealite.workflow and arealite.rollout.
 
 - `TrainingOpenAIClient`: `AsyncOpenAI`-shaped, backed by an InferenceEngine, records tokens,
   logprobs and versions per completion; rewards with discount along the conversation tree.
