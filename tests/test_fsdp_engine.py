@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arealite.api.cli_args import OptimizerConfig
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
-from arealite.engine.base_hf_engine import lr_lambda
 from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.engine.optimizer import lr_lambda
 from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
 from arealite.utils.network import find_free_port
 

@@ -19,20 +19,21 @@ from arealite.utils.functional import (
     compute_gae,
     compute_gae_packed,
     dynamic_sampling_mask,
-    gather_logprobs,
-    gather_logprobs_entropy,
     group_normalize,
     kl_estimator,
-    masked_mean,
-    masked_normalization,
-    masked_sum,
-    masked_var,
     normalize_advantages,
     overlong_penalty,
     ppo_actor_loss_fn,
     ppo_critic_loss_fn,
-    sequence_masked_mean,
     shape_rewards,
+)
+from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
+from arealite.utils.masked_stats import (
+    masked_mean,
+    masked_normalization,
+    masked_sum,
+    masked_var,
+    sequence_masked_mean,
 )
 
 F64 = torch.float64

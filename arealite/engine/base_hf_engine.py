@@ -1,21 +1,14 @@
-"""What every HF-model trainer shares, whatever shards it: loading the model, AdamW and its LR
-schedule, and the padding-free micro-batch loop of `train_batch` / `eval_batch` / `forward`.
+"""What every HF-model trainer shares, whatever shards it: the padding-free micro-batch loop
+of `train_batch` / `eval_batch` / `forward` (model loading: hf_model.py; AdamW: optimizer.py;
+packing helpers and token alignment: packing.py; batch checks: batch_validation.py).
 
 Packing. A padded batch `[B, L]` is split into micro-batches under `mb_spec.max_tokens_per_mb`
 and each micro-batch is packed into one row of T real tokens (no padding), with `position_ids`
 restarting at 0 per sequence. Packed sequences must never attend to each other:
 - sdpa_varlen (default; varlen_attention.py) and flash_attention_2 (GPU) get the varlen kwargs
-  `cu_seq_lens_q/k`, `max_length_q/k` and attend within each sequence (cost sum L_i^2).
+  `cu_seq_lens_q/k`, `max_length_q/k` and attend within each sequence.
 - sdpa / eager get a block-diagonal causal 4-D mask `[1, 1, T, T]` (bool for sdpa, additive
-  float for eager), which transformers uses as is: exact but O(T^2) compute, and T^2 bytes
-  (16 MiB at T=4096). position_ids alone are NOT enough with sdpa/eager (checked on
-  transformers 5.23: logits then differ by O(1)).
-
-Alignment. Every per-token result is aligned with `input_ids`: `logprobs[i]` is
-log p(input_ids[i] | input_ids[:i]), i.e. computed from the logits at position i-1, and is 0
-at each sequence's first token. This is what an inference server reports for generated
-tokens, and `loss_mask[i] = 1` means "token i is a target". Values (critic) and entropies use
-the same shift.
+  float for eager): exact but O(T^2) compute, and T^2 bytes (16 MiB at T=4096).
 
 Loss normalisation. `loss_fn(out, mb)` returns the micro-batch's *mean* loss (normalised by
 what `loss_weight_fn(mb)` counts, e.g. loss tokens). Each is scaled by
@@ -35,15 +28,12 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from arealite.api.cli_args import OptimizerConfig, TrainEngineConfig
+from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
-from arealite.api.io_struct import FinetuneSpec
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
-from arealite.engine.vlm_inputs import (
-    validate_vlm_batch,
-    vlm_attn_implementation,
-    vlm_forward_mb,
-)
+from arealite.engine.batch_validation import validate_batch
+from arealite.engine.packing import block_causal_mask, packed_logprobs, packed_position_ids
+from arealite.engine.vlm_inputs import validate_vlm_batch, vlm_forward_mb
 from arealite.utils import distributed as du
 from arealite.utils.data import (
     MicroBatchList,
@@ -51,212 +41,9 @@ from arealite.utils.data import (
     split_padded_tensor_dict_into_mb_list,
 )
 from arealite.utils.fsdp import clip_grad_norm_, torch_dtype
-from arealite.utils.functional import gather_logprobs, gather_logprobs_entropy
 from arealite.utils.vision import is_vlm_config
 
 logger = logging.getLogger("arealite.engine")
-
-# Per-token entries produced by the rollout / algorithm side; each must be [B, L].
-TOKEN_KEYS = (
-    "loss_mask",
-    "logprobs",
-    "versions",
-    "prox_logp",
-    "ref_logp",
-    "advantages",
-    "returns",
-    "values",
-    "kl_rewards",
-)
-
-
-# ----------------------------------------------------------------------------- packing helpers
-
-
-def packed_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """0, 1, ... restarting at every sequence start, [T]."""
-    lens = cu_seqlens.diff().long()
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
-
-
-def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[1, 1, T, T] mask letting token q see token k iff same sequence and k <= q.
-
-    dtype=None gives a bool mask (True = attend; sdpa); a float dtype gives the additive form
-    (0 / dtype min) that eager attention adds to its scores."""
-    lens = cu_seqlens.diff().long()
-    T = int(cu_seqlens[-1])
-    seg = torch.repeat_interleave(torch.arange(len(lens), device=cu_seqlens.device), lens)
-    idx = torch.arange(T, device=cu_seqlens.device)
-    allowed = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
-    if dtype is None:
-        return allowed[None, None]
-    mask = torch.zeros(T, T, dtype=dtype, device=cu_seqlens.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
-
-def shift_right_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """out[i] = x[i-1] within each packed sequence, 0 at each sequence's first token: turns
-    "computed at position i-1 about token i" into "aligned with token i"."""
-    out = torch.roll(x, 1, dims=0)
-    starts = cu_seqlens[:-1].long()
-    first = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    first[starts[starts < x.shape[0]]] = True
-    return torch.where(first.view(-1, *([1] * (x.ndim - 1))), torch.zeros_like(out), out)
-
-
-def packed_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs [T] (and entropies) of packed `input_ids` under `logits` [T, V] at
-    `temperature`, aligned with input_ids (see module docstring); differentiable."""
-    labels = torch.roll(input_ids, -1)  # label of position j is token j+1
-    if with_entropy:
-        logp, ent = gather_logprobs_entropy(logits, labels, temperature)
-        return shift_right_packed(logp, cu_seqlens), shift_right_packed(ent, cu_seqlens)
-    return shift_right_packed(gather_logprobs(logits, labels, temperature), cu_seqlens)
-
-
-def target_mask(mb: dict[str, Any]) -> torch.Tensor:
-    """A packed micro-batch's `loss_mask` as bool, minus sequence starts: nothing predicts a
-    sequence's first token, so it can never be a target."""
-    mask = mb["loss_mask"].bool().clone()
-    starts = mb["cu_seqlens"][:-1].long()
-    mask[starts[starts < mask.numel()]] = False
-    return mask
-
-
-# ----------------------------------------------------------------------------- model / optimizer
-
-
-def load_hf_model(config: TrainEngineConfig) -> nn.Module:
-    """The HF model at `config.path` on CPU: a causal LM, a vision-language model (config with
-    vision_config), or (critic) the same backbone with a 1-output token-classification head.
-    Random parts (init_from_scratch, value head) use a fixed seed so every rank builds
-    identical weights before sharding."""
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForTokenClassification,
-    )
-
-    if config.attn_impl == "flash_attention_2" and not torch.cuda.is_available():
-        raise ValueError("attn_impl=flash_attention_2 needs a GPU; use sdpa or eager on CPU")
-    if not config.path:
-        raise ValueError("TrainEngineConfig.path is empty: set it to an HF model directory")
-    hf_config = AutoConfig.from_pretrained(config.path)
-    cls = AutoModelForCausalLM
-    if config.is_critic:
-        cls = AutoModelForTokenClassification
-        hf_config.num_labels = 1
-        hf_config.classifier_dropout = 0.0  # a value head must be deterministic
-    kw = dict(dtype=torch_dtype(config.dtype), attn_implementation=config.attn_impl)
-    if is_vlm_config(hf_config):
-        if config.is_critic:
-            raise ValueError("a critic (value head) on a vision-language model is not supported")
-        cls = AutoModelForImageTextToText
-        kw["attn_implementation"] = vlm_attn_implementation(config.attn_impl)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if config.init_from_scratch:
-            model = cls.from_config(hf_config, **kw)
-        else:
-            model = cls.from_pretrained(config.path, config=hf_config, **kw)
-    model.config.use_cache = False
-    if config.gradient_checkpointing:
-        kwargs = {"use_reentrant": False}  # the variant PyTorch recommends with FSDP2
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
-
-
-def lr_lambda(kind: str, warmup_steps: int, total_steps: int, min_ratio: float) -> Callable:
-    """LR multiplier: linear warmup to 1 over `warmup_steps`, then constant / linear / cosine
-    decay to `min_ratio` at `total_steps`."""
-
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return min_ratio + (1.0 - min_ratio) * decay
-
-    return f
-
-
-def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, ft_spec: FinetuneSpec | None
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (no weight decay on 1-D params: biases, norms) and its LR schedule."""
-    if cfg.lr_scheduler_type != "constant" and ft_spec is None:
-        raise ValueError(
-            f"optimizer.lr_scheduler_type={cfg.lr_scheduler_type!r} needs the training length: "
-            "pass a FinetuneSpec to initialize()"
-        )
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
-    )
-    total = ft_spec.total_train_steps if ft_spec else 1
-    warmup = int(cfg.warmup_steps_proportion * total)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(cfg.lr_scheduler_type, warmup, total, cfg.min_lr_ratio)
-    )
-    return opt, sched
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def validate_batch(data: Any, required: tuple[str, ...] = ()) -> None:
-    """Reject malformed batches early, naming the field (a bad batch must not reach FSDP
-    collectives, where it would hang the other ranks or train on garbage)."""
-    if not isinstance(data, TensorDict):
-        raise TypeError(f"a batch must be a TensorDict with batch size [B], got {type(data)}")
-    for key in ("input_ids", "attention_mask", *required):
-        if key not in data.keys():
-            raise KeyError(f"batch has no {key!r} entry (keys: {sorted(data.keys())})")
-    ids, mask = data["input_ids"], data["attention_mask"]
-    if ids.ndim != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
-    for key in ("attention_mask", *TOKEN_KEYS):
-        if key in data.keys() and tuple(data[key].shape[:2]) != tuple(ids.shape):
-            raise ValueError(
-                f"{key} has shape {tuple(data[key].shape)}, expected [B, L] = {tuple(ids.shape)} "
-                "like input_ids"
-            )
-    if ids.shape[0] == 0:
-        return
-    m = mask.long()
-    if bool(((m != 0) & (m != 1)).any()) or bool((m.diff(dim=1) > 0).any()):
-        raise ValueError("attention_mask must be 0/1 and right-padded (ones, then zeros)")
-    empty = (m.sum(1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"rows {empty[:8]} have no tokens (attention_mask all zero)")
-    for key in TOKEN_KEYS:
-        if key in data.keys() and data[key].is_floating_point():
-            bad = ~torch.isfinite(data[key]) & mask.bool().view(
-                *mask.shape, *[1] * (data[key].ndim - 2)
-            )
-            if bool(bad.any()):
-                raise ValueError(f"{key} has non-finite values at {bad.nonzero()[:4].tolist()}")
-
-
-# ----------------------------------------------------------------------------- engine
 
 
 class BaseHFEngine(TrainEngine):

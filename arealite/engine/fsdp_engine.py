@@ -18,7 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
-from arealite.engine.base_hf_engine import BaseHFEngine, build_optimizer, load_hf_model, logger
+from arealite.engine.base_hf_engine import BaseHFEngine, logger
+from arealite.engine.hf_model import load_hf_model
+from arealite.engine.optimizer import build_optimizer
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
 from arealite.utils.safe_state import read_json, safe_dcp_reader, write_json

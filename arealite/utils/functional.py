@@ -1,4 +1,4 @@
-"""The PPO / GRPO math of arealite, as small pure torch functions.
+"""The RL equations of arealite (PPO / GRPO and relatives), as small pure torch functions.
 
 Each function is written to be read beside its paper. Token tensors come either padded, [B, L]
 with a mask, or packed, [T] with a mask and `cu_seqlens` (int, [n_seqs + 1], starting at 0) that
@@ -7,7 +7,8 @@ mark where each sequence starts; the trainer works on packed micro-batches.
 Masks are bool or 0/1 tensors; a position counts when its mask is non-zero. Functions that take
 `all_reduce=True` are collectives when torch.distributed is initialised: every rank of `group`
 must call them, and they return the statistic of the global batch (the concatenation of all
-ranks' data), so N ranks give the same result as one process holding all the data.
+ranks' data), so N ranks give the same result as one process holding all the data. The masked
+statistics themselves live in `masked_stats.py`, token logprobs in `logprobs.py`.
 
 References: PPO (Schulman et al. 2017, arXiv 1707.06347), GAE (arXiv 1506.02438), dual clip
 (Ye et al. 2020, arXiv 1912.09729), GRPO (arXiv 2402.03300), RLOO (arXiv 2402.14740), DAPO
@@ -20,16 +21,19 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
+
+from arealite.utils.logprobs import compute_dtype
+from arealite.utils.masked_stats import (
+    as_bool_mask,
+    masked_count_sum,
+    masked_mean,
+    masked_normalization,
+    masked_var,
+    packed_seq_ids,
+    sequence_masked_mean,
+)
 
 __all__ = [
-    "gather_logprobs",
-    "gather_logprobs_entropy",
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
-    "masked_normalization",
-    "sequence_masked_mean",
     "kl_estimator",
     "compute_gae",
     "compute_gae_packed",
@@ -41,264 +45,6 @@ __all__ = [
     "ppo_critic_loss_fn",
     "dynamic_sampling_mask",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Log-probabilities and entropy, chunked over tokens
-# ---------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """bf16/fp16 logits are upcast so log_softmax is accurate; fp64 stays fp64 (tests)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _ChunkedLogprobEntropy(torch.autograd.Function):
-    """log_softmax(z)[label] and entropy of softmax(z), z = logits / T, one chunk of rows at a time.
-
-    Plain autograd would keep one fp32 [chunk, V] softmax alive per chunk until backward, i.e. a
-    full fp32 [T, V] copy in total. This Function saves only the input logits and recomputes each
-    chunk's softmax in backward:
-        d logp_t / d z_tk = 1[k = y_t] - p_tk
-        d H_t    / d z_tk = -p_tk (log p_tk + H_t)
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size, with_entropy):
-        vocab = logits.shape[-1]
-        flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
-        dtype = _compute_dtype(logits.dtype)
-        logp = torch.empty(flat.shape[0], dtype=dtype, device=logits.device)
-        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        for s in range(0, flat.shape[0], chunk_size):
-            z = flat[s : s + chunk_size].to(dtype) / temperature
-            logp_all = z.log_softmax(-1)
-            logp[s : s + chunk_size] = logp_all.gather(-1, flat_labels[s : s + chunk_size])[:, 0]
-            if with_entropy:
-                entropy[s : s + chunk_size] = -(logp_all.exp() * logp_all).sum(-1)
-        ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-            return logp.view(labels.shape), entropy
-        return logp.view(labels.shape), entropy.view(labels.shape)
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, labels = ctx.saved_tensors
-        vocab, t, step = logits.shape[-1], ctx.temperature, ctx.chunk_size
-        flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1, 1)
-        dtype = _compute_dtype(logits.dtype)
-        grad = torch.empty_like(flat)
-        g_lp = None if grad_logp is None else grad_logp.reshape(-1, 1).to(dtype)
-        g_h = None if grad_entropy is None else grad_entropy.reshape(-1, 1).to(dtype)
-        for s in range(0, flat.shape[0], step):
-            logp_all = (flat[s : s + step].to(dtype) / t).log_softmax(-1)
-            p = logp_all.exp()
-            gz = torch.zeros_like(p)
-            if g_lp is not None:
-                gz -= p * g_lp[s : s + step]
-                gz.scatter_add_(-1, flat_labels[s : s + step], g_lp[s : s + step])
-            if g_h is not None:
-                h = -(p * logp_all).sum(-1, keepdim=True)
-                gz -= g_h[s : s + step] * p * (logp_all + h)
-            grad[s : s + step] = gz / t
-        return grad.view_as(logits), None, None, None, None
-
-
-def _check_logits_labels(logits, labels, temperature, chunk_size):
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
-            f"dim {tuple(logits.shape[:-1])}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not (isinstance(chunk_size, int) and chunk_size >= 1):
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-def gather_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
-    """log pi(y_t) = log_softmax(logits_t / T)[y_t], for logits [..., V] and labels [...].
-
-    Dividing by the sampling temperature T makes trainer logprobs match the inference server's.
-    Rows are processed `chunk_size` at a time (forward and backward) so at most a
-    [chunk_size, V] fp32 softmax exists at once; the result is fp32 (fp64 for fp64 logits).
-    """
-    _check_logits_labels(logits, labels, temperature, chunk_size)
-    return _ChunkedLogprobEntropy.apply(logits, labels.long(), temperature, chunk_size, False)[0]
-
-
-def gather_logprobs_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t), H_t) with H_t = -sum_k pi_k log pi_k, pi = softmax(logits_t / T).
-
-    Same chunking and memory bound as `gather_logprobs`; both outputs are differentiable, so
-    the entropy can serve as a bonus term as well as a logged statistic.
-    """
-    _check_logits_labels(logits, labels, temperature, chunk_size)
-    return _ChunkedLogprobEntropy.apply(logits, labels.long(), temperature, chunk_size, True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Masked statistics (optionally over all ranks)
-# ---------------------------------------------------------------------------------------------
-
-
-def _bool_mask(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    if mask is None:
-        return torch.ones_like(x, dtype=torch.bool)
-    try:
-        return torch.broadcast_to(mask != 0, x.shape)
-    except RuntimeError as e:
-        raise ValueError(
-            f"mask shape {tuple(mask.shape)} does not broadcast to x shape {tuple(x.shape)}"
-        ) from e
-
-
-def _dims(x: torch.Tensor, dim) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(range(x.ndim))
-    return (dim,) if isinstance(dim, int) else tuple(dim)
-
-
-def _all_reduce_(tensors: list[torch.Tensor], all_reduce: bool, group) -> None:
-    """Sum `tensors` in place over the ranks of `group`, in one collective."""
-    if not (all_reduce and dist.is_available() and dist.is_initialized()):
-        return
-    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        raise ValueError(
-            "all-reduced statistics are not differentiable; pass a detached x "
-            "(or all_reduce=False) when gradients are needed"
-        )
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(chunk.view_as(t))
-
-
-def _count_sum(x, mask, dim, all_reduce, group):
-    """(count, sum) over `dim`, keepdim, all-reduced when asked."""
-    m = _bool_mask(mask, x)
-    dims = _dims(x, dim)
-    count = m.sum(dims, keepdim=True).to(x.dtype)
-    total = torch.where(m, x, 0).sum(dims, keepdim=True)
-    _all_reduce_([count, total], all_reduce, group)
-    return m, dims, count, total
-
-
-def masked_sum(
-    x: torch.Tensor, mask: torch.Tensor | None, dim=None, keepdim: bool = False
-) -> torch.Tensor:
-    """sum_i m_i x_i over `dim` (all dims when None). Masked positions may hold NaN/inf."""
-    dims = _dims(x, dim)
-    return torch.where(_bool_mask(mask, x), x, 0).sum(dims, keepdim=keepdim)
-
-
-def masked_mean(
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
-    dim=None,
-    keepdim: bool = False,
-    all_reduce: bool = False,
-    group=None,
-) -> torch.Tensor:
-    """sum_i m_i x_i / sum_i m_i over `dim`; 0 where nothing is selected.
-
-    An empty selection gives 0 rather than NaN so an all-masked micro-batch adds no loss.
-    With all_reduce, numerator and denominator are summed over ranks (the global mean).
-    """
-    _, dims, count, total = _count_sum(x, mask, dim, all_reduce, group)
-    mean = total / count.clamp(min=1)
-    return mean if keepdim else mean.squeeze(dims)
-
-
-def masked_var(
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
-    dim=None,
-    unbiased: bool = False,
-    keepdim: bool = False,
-    all_reduce: bool = False,
-    group=None,
-) -> torch.Tensor:
-    """sum_i m_i (x_i - mean)^2 / (n - ddof), n = sum_i m_i, ddof = 1 if unbiased else 0.
-
-    Two passes (mean first, then squared deviations) instead of E[x^2] - E[x]^2, which cancels
-    catastrophically for large offsets. 0 where n <= ddof.
-    """
-    m, dims, count, total = _count_sum(x, mask, dim, all_reduce, group)
-    mean = total / count.clamp(min=1)
-    sq_dev = torch.where(m, (x - mean).square(), 0).sum(dims, keepdim=True)
-    _all_reduce_([sq_dev], all_reduce, group)
-    denom = count - float(unbiased)
-    var = torch.where(denom > 0, sq_dev / denom.clamp(min=1), 0)
-    return var if keepdim else var.squeeze(dims)
-
-
-def masked_normalization(
-    x: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    dim=None,
-    unbiased: bool = False,
-    eps: float = 1e-5,
-    all_reduce: bool = True,
-    group=None,
-) -> torch.Tensor:
-    """(x - mean) / (std + eps) with masked statistics over `dim`; 0 at masked positions.
-
-    Statistics are computed in float64 and, with all_reduce, over the global batch of all ranks
-    (the advantage whitening of PPO must not depend on how the batch was sharded).
-    Returns x's dtype.
-    """
-    x64 = x.to(torch.float64)
-    m = _bool_mask(mask, x)
-    mean = masked_mean(x64, m, dim, keepdim=True, all_reduce=all_reduce, group=group)
-    var = masked_var(x64, m, dim, unbiased, keepdim=True, all_reduce=all_reduce, group=group)
-    out = torch.where(m, (x64 - mean) / (var.sqrt() + eps), 0)
-    return out.to(x.dtype if x.is_floating_point() else torch.float32)
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be a 1-D int tensor [n_seqs + 1], got {cu_seqlens}")
-    lens = cu_seqlens.diff()
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((lens < 0).any()):
-        raise ValueError(
-            f"cu_seqlens must start at 0, be non-decreasing and end at the token count "
-            f"{total}; got {cu_seqlens.tolist()}"
-        )
-    return lens
-
-
-def _seq_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Index of the sequence each packed token belongs to, [T]."""
-    lens = _check_cu_seqlens(cu_seqlens, total).long()
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens)
-
-
-def sequence_masked_mean(
-    x: torch.Tensor, mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Per-sequence masked mean, [n_seqs]: rows of padded [B, L] x, or cu_seqlens segments of
-    packed [T] x. Differentiable; 0 for a sequence with no selected token."""
-    if x.ndim == 2 and cu_seqlens is None:
-        return masked_mean(x, mask, dim=-1)
-    if x.ndim != 1 or cu_seqlens is None:
-        raise ValueError(
-            "sequence_masked_mean takes padded [B, L] x without cu_seqlens, or packed [T] x "
-            f"with cu_seqlens; got x of shape {tuple(x.shape)} and cu_seqlens={cu_seqlens}"
-        )
-    ids = _seq_ids(cu_seqlens, x.numel())
-    m = _bool_mask(mask, x)
-    n = cu_seqlens.numel() - 1
-    sums = x.new_zeros(n).index_add(0, ids, torch.where(m, x, 0))
-    counts = x.new_zeros(n).index_add(0, ids, m.to(x.dtype))
-    return sums / counts.clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +69,7 @@ def kl_estimator(
     """
     if kind not in ("k1", "k2", "k3"):
         raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
-    dtype = _compute_dtype(logprobs.dtype)
+    dtype = compute_dtype(logprobs.dtype)
     log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
     if clamp is not None:
         log_ratio = log_ratio.clamp(-clamp, clamp)
@@ -359,7 +105,7 @@ def compute_gae(
     values = torch.zeros_like(rewards) if values is None else values.to(rewards.dtype)
     if values.shape != rewards.shape:
         raise ValueError(f"values {tuple(values.shape)} != rewards {tuple(rewards.shape)}")
-    m = _bool_mask(mask, rewards)
+    m = as_bool_mask(mask, rewards)
     rewards, values = torch.where(m, rewards, 0), torch.where(m, values, 0)
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
@@ -385,7 +131,7 @@ def compute_gae_packed(
     means every token of it is a step). Runs as one padded [n_seqs, max_len] recursion."""
     if rewards.ndim != 1:
         raise ValueError(f"compute_gae_packed takes packed [T] tensors, got {rewards.shape}")
-    ids = _seq_ids(cu_seqlens, rewards.numel())
+    ids = packed_seq_ids(cu_seqlens, rewards.numel())
     pos = torch.arange(rewards.numel(), device=rewards.device) - cu_seqlens.long()[ids]
     n, max_len = cu_seqlens.numel() - 1, int(cu_seqlens.diff().max()) if rewards.numel() else 0
 
@@ -394,7 +140,7 @@ def compute_gae_packed(
         out[ids, pos] = x
         return out
 
-    m = _bool_mask(mask, rewards)
+    m = as_bool_mask(mask, rewards)
     vals = None if values is None else pad(values.to(rewards.dtype), 0)
     adv, ret = compute_gae(pad(rewards, 0), vals, pad(m, False), gamma, lam)
     return adv[ids, pos], ret[ids, pos]
@@ -478,7 +224,7 @@ def group_normalize(
         baseline = torch.zeros_like(grouped)
     else:
         kw = dict(all_reduce=all_reduce and mean_level == "batch", group=group)
-        _, dims, count, total = _count_sum(grouped, None, reduce_dim[mean_level], **kw)
+        _, dims, count, total = masked_count_sum(grouped, None, reduce_dim[mean_level], **kw)
         if leave_one_out:
             if bool((count < 2).any()):
                 raise ValueError("leave_one_out needs at least 2 samples per mean")
@@ -526,7 +272,7 @@ def normalize_advantages(
             advantages, loss_mask, None, unbiased, eps, all_reduce=all_reduce, group=group
         )
     a64 = advantages.to(torch.float64)
-    m = _bool_mask(loss_mask, a64)
+    m = as_bool_mask(loss_mask, a64)
     if mean_level == "batch":
         a64 = a64 - masked_mean(a64, m, all_reduce=all_reduce, group=group)
     if std_level == "batch":
@@ -545,7 +291,7 @@ def _sequence_level(log_ratio, mask, cu_seqlens):
     seq_mean = sequence_masked_mean(log_ratio, mask, cu_seqlens)
     if log_ratio.ndim == 2:
         return seq_mean[:, None].expand_as(log_ratio)
-    return seq_mean[_seq_ids(cu_seqlens, log_ratio.numel())]
+    return seq_mean[packed_seq_ids(cu_seqlens, log_ratio.numel())]
 
 
 def ppo_actor_loss_fn(

@@ -21,8 +21,8 @@ from tensordict import TensorDict
 
 from arealite.api.cli_args import PPOActorConfig
 from arealite.api.engine_api import TrainEngine
-from arealite.engine.base_hf_engine import packed_logprobs, target_mask
 from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.engine.packing import packed_logprobs, target_mask
 from arealite.utils import distributed as du
 from arealite.utils.data import split_padded_tensor_dict
 from arealite.utils.functional import (
@@ -30,12 +30,12 @@ from arealite.utils.functional import (
     dynamic_sampling_mask,
     group_normalize,
     kl_estimator,
-    masked_mean,
     normalize_advantages,
     overlong_penalty,
     ppo_actor_loss_fn,
     shape_rewards,
 )
+from arealite.utils.masked_stats import masked_mean
 
 # Statistics accumulated over micro-batches as token-weighted sums (then all-reduced).
 _SUM_KEYS = ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask", "entropy")

@@ -14,8 +14,8 @@ from tensordict import TensorDict
 
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
-from arealite.engine.base_hf_engine import packed_logprobs, target_mask
 from arealite.engine.fsdp_engine import FSDPEngine
+from arealite.engine.packing import packed_logprobs, target_mask
 from arealite.utils import distributed as du
 
 
