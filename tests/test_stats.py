@@ -252,7 +252,8 @@ def test_progress_line_timing_eta_and_print_every(caplog):
     assert line is not None and line.startswith("step 2/10") and line in caplog.text
     secs = float(line.split(" | ")[1].split()[0])
     toks = float(line.split(" | ")[2].split()[0])
-    assert secs >= 0.05 and toks == pytest.approx(100 / secs, rel=0.05)
+    # s/step is printed to 2 decimals: tok/s = 100 / (the unrounded seconds), within rounding
+    assert secs >= 0.05 and 100 / (secs + 0.005) - 1 <= toks <= 100 / (secs - 0.005) + 1
     assert "ETA" in line
 
 
