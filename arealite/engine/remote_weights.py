@@ -11,23 +11,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
-from arealite.api.io_struct import WeightUpdateMeta
-from arealite.engine.server_http import ServerError, parse_version
-from arealite.engine.server_pool import NoServerAvailable
-
-if TYPE_CHECKING:
-    from arealite.engine.remote_base import RemoteInferenceEngine
+from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.io_struct import ParamSpec, WeightUpdateMeta
+from arealite.engine.server_http import ServerError, ServerHTTP, parse_version
+from arealite.engine.server_pool import NoServerAvailable, ServerPool
 
 logger = logging.getLogger("arealite.remote")
+
+
+class WeightClient(Protocol):
+    """What weight updates need of their client (RemoteInferenceEngine): its servers and the
+    backend's per-server weight endpoints. A Protocol, so this module never imports its owner."""
+
+    config: InferenceEngineConfig
+    counters: Counter[str]
+    gen_allowed: asyncio.Event | None
+    http: ServerHTTP
+    pool: ServerPool
+
+    async def pause_server(self, addr: str) -> None: ...
+    async def continue_server(self, addr: str) -> None: ...
+    async def update_server_from_disk(self, addr: str, meta: WeightUpdateMeta) -> None: ...
+    async def init_weights_group(
+        self, addr: str, meta: WeightUpdateMeta, rank_offset: int, world_size: int
+    ) -> None: ...
+    async def update_server_from_distributed(
+        self, addr: str, meta: WeightUpdateMeta, bucket: list[ParamSpec], last: bool
+    ) -> None: ...
+    async def server_tp_size(self, addr: str) -> int: ...
 
 
 class WeightUpdates:
     """The weight state of one client: the version last pushed, the last update (what a
     re-admitted server loads) and the NCCL group the servers joined. Runs on the client's loop."""
 
-    def __init__(self, client: RemoteInferenceEngine):
+    def __init__(self, client: WeightClient):
         self.client = client
         self.version = 0  # version last pushed to the servers
         self.last: WeightUpdateMeta | None = None
