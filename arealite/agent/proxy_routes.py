@@ -14,16 +14,26 @@ import hmac
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from arealite.utils.openai_chat import ChatRequestError, error_body, sse_event
 
-if TYPE_CHECKING:
-    from arealite.agent.proxy import AgentProxy
-
 logger = logging.getLogger("arealite.agent")
+
+
+class SessionHost(Protocol):
+    """What the routes need of the AgentProxy (its sessions); a Protocol, so this module never
+    imports its owner."""
+
+    api_key: str | None
+
+    @property
+    def url(self) -> str: ...
+    async def claim(self, wait: float) -> Any: ...
+    def session(self, sid: str, authorization: str) -> Any: ...
+    def end(self, s: Any) -> tuple[int, str]: ...
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -72,7 +82,7 @@ async def _errors(request: web.Request, handler):
         return _error(502, f"generation failed: {type(e).__name__}: {e}", None)
 
 
-def add_routes(app: web.Application, proxy: AgentProxy) -> None:
+def add_routes(app: web.Application, proxy: SessionHost) -> None:
     app.middlewares.append(_errors)
 
     def session(request: web.Request):
