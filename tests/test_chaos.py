@@ -229,3 +229,63 @@ def test_kill_9_anywhere_then_rerun_ends_like_an_uninterrupted_run(trial, refere
     else:
         assert "resumed from" in text
     assert_like_uninterrupted(run_dir, ref_dir)
+
+
+# ----------------------------------------------------------------------------- every server down
+
+
+def test_with_every_server_dead_the_client_waits_and_the_restarted_one_gets_the_weights(
+    tiny_model_dir, tiny_model_dir_v2, tmp_path
+):
+    """The only server dies mid-generation and stays down through a weight update: the update
+    does not fail the trainer, the cut-off generation waits and is resubmitted once the server is
+    back, and the restarted server loads the current weights before it serves."""
+    import asyncio
+    import shutil
+    import threading
+    import urllib.request
+
+    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
+    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.server.process import launch_server
+
+    weights = str(tmp_path / "weight_sync")
+    shutil.copytree(tiny_model_dir_v2, weights)
+    roots = ["--allowed-weight-roots", str(tmp_path), "--allowed-weight-roots", tiny_model_dir]
+    server = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
+    engine = RemoteSGLangEngine(InferenceEngineConfig(setup_timeout=120, request_retries=1))
+    engine.initialize([server.address])
+    g = GenerationHyperparameters(max_new_tokens=1000, greedy=True, ignore_eos=True)
+    out: list = []
+    gen = threading.Thread(target=lambda: out.append(asyncio.run(
+        engine.agenerate(ModelRequest(rid="long", input_ids=[5, 6, 7], gconfig=g)))))  # fmt: skip
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        gen.start()
+        deadline = time.monotonic() + 60
+        while (
+            "arealite_running_requests 1"
+            not in opener.open(f"{server.url}/metrics").read().decode()
+        ):
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.01)
+        server.proc.kill()  # mid-generation
+        server.proc.wait()
+        engine.update_weights(WeightUpdateMeta.from_disk(weights, version=3)).result(timeout=120)
+        assert engine.weight_version == 3 and server.address in engine.pool.failed
+        time.sleep(1.0)
+        assert gen.is_alive(), "the cut-off generation must wait for a server, not fail"
+        server = launch_server(tiny_model_dir, port=server.port, dtype="float32", extra_args=roots)
+        gen.join(timeout=180)
+        assert out, "the generation did not finish"
+        resp = out[0]
+        assert resp.output_len == 1000  # resubmitted as prompt + tokens so far: nothing lost
+        # The dead server's partial answer never arrived: every token comes from the restarted
+        # server, with the current weights.
+        assert set(resp.output_versions) == {3}
+        with opener.open(f"{server.url}/get_weight_version") as r:
+            assert json.loads(r.read())["weight_version"] == 3
+    finally:
+        engine.destroy()
+        server.stop()
