@@ -1,10 +1,13 @@
-"""GRPO on GSM8K-style math: asynchronous rollouts, decoupled PPO, FSDP2.
+"""GRPO for any task: asynchronous rollouts, decoupled PPO, FSDP2. The task is the config's
+`train_dataset` / `valid_dataset` (a built-in task or your own file) and `reward:` (a built-in
+name or your own function); see README "Bring your own task".
 
-    python -m arealite.launcher.local examples/gsm8k_grpo.py --config examples/configs/gsm8k_grpo.yaml \
+    python -m arealite.launcher.local examples/grpo.py --config examples/configs/gsm8k_grpo.yaml \
         experiment_name=gsm8k trial_name=run1 actor.path=Qwen/Qwen2.5-1.5B-Instruct
 
-The same loop serves every RLVR task; `arith_grpo.py` runs it with the arithmetic reward,
-`clevr_count_70k_grpo.py` with images (VisionRLVRWorkflow and the model's processor).
+Rows with images (a vision task, or a model folder with an image processor) run
+VisionRLVRWorkflow with the model's processor. `gsm8k_grpo.py`, `arith_grpo.py` and
+`clevr_count_70k_grpo.py` are this script under their old names.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from transformers import AutoTokenizer
 
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
-from arealite.dataset import get_custom_dataset
+from arealite.dataset import default_reward, is_vision_dataset, load_rows
 from arealite.engine import make_remote_engine
 from arealite.engine.ppo.actor import FSDPPPOActor
-from arealite.reward.math_verify_reward import gsm8k_reward_fn
+from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
@@ -33,17 +36,15 @@ from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
 from arealite.utils.run_lock import claim_run_dir
+from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
+from arealite.workflow.vision_rlvr import VisionRLVRWorkflow
 
 
 def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, processor=None):
     """This rank's share of a dataset, in rows (the workflow tokenizes)."""
-    kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
-    ds = get_custom_dataset(
-        cfg.path, rank, world, type="rl", split=split or cfg.split, tokenizer=tokenizer,
-        max_length=cfg.max_length, too_long=cfg.too_long, processor=processor,
-        **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
-    )  # fmt: skip
+    ds = load_rows(cfg if split is None else dataclasses.replace(cfg, split=split), rank, world,
+                   "rl", tokenizer, processor)  # fmt: skip
     order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
         ds, batch_size=max(1, cfg.batch_size // world), collate_fn=lambda rows: rows,
@@ -51,10 +52,9 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, pr
     )  # fmt: skip
 
 
-def make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls=RLVRWorkflow,
-                     processor=None):  # fmt: skip
-    """Greedy held-out accuracy on a separate client, so evaluation never counts against
-    the training rollouts' staleness budget."""
+def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=None):
+    """Greedy held-out accuracy (mean reward) on a separate client, so evaluation never counts
+    against the training rollouts' staleness budget."""
     if config.valid_dataset is None:
         return None
     valid = dataloader(config.valid_dataset, rank, world, tokenizer, shuffle=False,
@@ -69,7 +69,8 @@ def make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls=RLV
     executor = WorkflowExecutor(eval_cfg, engine)
     executor.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
-    workflow = workflow_cls(reward_fn, gconfig, processor or tokenizer, reward_workers=1)
+    pool = make_reward_pool(*reward_of(config), workers=1, timeout=config.rollout.reward_timeout)
+    workflow = workflow_cls(None, gconfig, processor or tokenizer, reward_pool=pool)
 
     def accuracy() -> float:
         batch = executor.rollout_batch(rows, workflow)
@@ -88,16 +89,29 @@ def log_trained_items(path: str, step: int, rows: list) -> None:
         f.write(json.dumps({"step": step, "query_ids": [r.get("query_id") for r in rows]}) + "\n")
 
 
-def main(
-    argv: list[str], reward_fn=gsm8k_reward_fn, workflow_cls=RLVRWorkflow, load_processor=None
-) -> None:
-    """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ...)` makes the episodes;
-    `load_processor(path)` (vision) loads the processor the datasets and workflows use."""
+def reward_of(config) -> tuple:
+    """(reward, reward_weights) of the config, or the built-in task's own reward."""
+    reward = config.reward or default_reward(config.train_dataset.path)
+    if reward is None:
+        raise ValueError(
+            f"train_dataset.path={config.train_dataset.path!r} is your own data: set `reward:` "
+            "(e.g. reward: my_rewards.py:score; see arealite/api/reward_api.py)"
+        )
+    return reward, config.reward_weights
+
+
+def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs) -> None:
+    """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ..., reward_pool=...)` makes the
+    episodes (default: RLVRWorkflow, VisionRLVRWorkflow for rows with images);
+    `load_processor(path)` loads the processor the datasets and workflows use."""
     config = load_expr_config(argv, GRPOConfig)
     claim_run_dir(config.run_dir, int(os.environ.get("RANK", 0)))  # one owner per run
     actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
     processor_path = config.tokenizer_path or config.actor.path
+    if workflow_cls is None and is_vision_dataset(config.train_dataset.path, processor_path):
+        workflow_cls, load_processor = VisionRLVRWorkflow, load_processor or load_vlm_processor
+    workflow_cls = workflow_cls or RLVRWorkflow
     processor = load_processor(processor_path) if load_processor else None
     torch.manual_seed(config.seed)
 
@@ -119,14 +133,13 @@ def main(
     rollout.initialize()
     executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
     executor.initialize(train_data_parallel_size=world)
+    reward_pool = make_reward_pool(*reward_of(config), workers=config.rollout.reward_workers,
+                                   timeout=config.rollout.reward_timeout)  # fmt: skip
     workflow = workflow_cls(
-        reward_fn, config.gconfig, processor or tokenizer,
-        reward_timeout=config.rollout.reward_timeout,
-        reward_workers=config.rollout.reward_workers,
+        None, config.gconfig, processor or tokenizer, reward_pool=reward_pool,
         dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
     )  # fmt: skip
-    evaluation = make_accuracy_fn(config, rank, world, tokenizer, reward_fn, workflow_cls,
-                                  processor)  # fmt: skip
+    evaluation = make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor)
     weight_dir = os.path.join(config.run_dir, "weight_sync")
     trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
 
@@ -201,6 +214,8 @@ def main(
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
         stats.update(stats_tracker.export())
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
+        if hasattr(reward_pool, "component_stats"):  # a weighted sum: each reward's mean
+            stats.update(reward_pool.component_stats())
         logger.commit(epoch, step, global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
         recover.dump(global_step + 1)

@@ -1,10 +1,12 @@
-"""Supervised fine-tuning on GSM8K-style data (packed, FSDP2).
+"""Supervised fine-tuning for any dataset (packed, FSDP2): `train_dataset` is a built-in task
+or your own file of `messages` (loss on the assistant turns) or `prompt` + `completion` rows.
 
-    python -m arealite.launcher.local examples/gsm8k_sft.py --config examples/configs/gsm8k_sft.yaml \
+    python -m arealite.launcher.local examples/sft.py --config examples/configs/gsm8k_sft.yaml \
         experiment_name=gsm8k-sft trial_name=run1 model.path=Qwen/Qwen2.5-0.5B
 
-Any SFT dataset of rows {input_ids, loss_mask} works the same way (`arith_sft.py`); rows with
-images (pixel_values, image_grid_thw) carry them to the trainer (`clevr_count_70k_sft.py`).
+Rows with images (pixel_values, image_grid_thw) carry them to the trainer (a vision task loads
+the model's processor). `gsm8k_sft.py`, `arith_sft.py`, `clevr_count_70k_sft.py` are this
+script under their old names.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import AutoTokenizer
 
 from arealite.api.cli_args import SFTConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
-from arealite.dataset import get_custom_dataset
+from arealite.dataset import is_vision_dataset, load_rows
 from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
@@ -28,16 +30,11 @@ from arealite.trainer.stats_logger import StatsLogger
 from arealite.utils import stats_tracker
 from arealite.utils.data import pad_sequences_to_tensors
 from arealite.utils.run_lock import claim_run_dir
-from arealite.utils.vision import sft_row_inputs
+from arealite.utils.vision import load_vlm_processor, sft_row_inputs
 
 
 def sft_loader(cfg, rank, world, tokenizer, seed, shuffle=None, processor=None):
-    kw = dict(size=cfg.size, seed=cfg.seed, max_digits=cfg.max_digits, n_operands=cfg.n_operands)
-    ds = get_custom_dataset(
-        cfg.path, rank, world, type="sft", split=cfg.split, tokenizer=tokenizer,
-        max_length=cfg.max_length, too_long=cfg.too_long, processor=processor,
-        **(kw if cfg.path in ("arith", "synthetic_counting") else {}),
-    )  # fmt: skip
+    ds = load_rows(cfg, rank, world, "sft", tokenizer, processor)
     order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
         ds, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last, sampler=order,
@@ -51,6 +48,8 @@ def main(argv: list[str], load_processor=None) -> None:
     claim_run_dir(config.run_dir, int(os.environ.get("RANK", 0)))  # one owner per run
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
     processor_path = config.tokenizer_path or config.model.path
+    if load_processor is None and is_vision_dataset(config.train_dataset.path, processor_path):
+        load_processor = load_vlm_processor
     processor = load_processor(processor_path) if load_processor else None
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     torch.manual_seed(config.seed)

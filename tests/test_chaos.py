@@ -51,14 +51,14 @@ def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> lis
         sys.executable, "-m", "arealite.launcher.local", os.path.join(ROOT, "examples", script),
         "--config", os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
         "experiment_name=chaos", f"trial_name={trial}", f"cluster.fileroot={fileroot}",
-        "train_dataset.n_operands=2", "valid_dataset=null", *overrides,
+        "train_dataset.options.n_operands=2", "valid_dataset=null", *overrides,
     ]  # fmt: skip
 
 
 def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
     """Synchronous GRPO (eta = 0, seeded sampling): a rerun regenerates the same tokens."""
     return launcher_cmd(fileroot, trial, "arith_grpo.py", [
-        f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.size=256",
+        f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.options.size=256",
         "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", "gconfig.n_samples=4",
         "rollout.max_concurrent_rollouts=8", "actor.group_size=4", "gconfig.seed=7",
         "server.dtype=float32", "actor.fsdp.param_dtype=float32", "recover.mode=auto",
@@ -80,7 +80,7 @@ def reference(tmp_path_factory, tiny_model_dir) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("chaos")
     sft = launcher_cmd(root, "sft", "arith_sft.py", [
         f"model.path={tiny_model_dir}", f"total_train_steps={SFT_STEPS}",
-        "train_dataset.size=1024", "train_dataset.batch_size=32",
+        "train_dataset.options.size=1024", "train_dataset.batch_size=32",
     ])  # fmt: skip
     run_to_end(sft, root / "sft.log")
     model = str(root / "chaos" / "sft" / "checkpoints" / "final" / f"epoch0globalstep{SFT_STEPS}")

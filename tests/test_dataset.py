@@ -39,7 +39,7 @@ def _rows(ds) -> list[dict]:
 
 def test_gsm8k_local_jsonl_rl_rows(gsm8k_jsonl):
     raw = [json.loads(line) for line in open(gsm8k_jsonl)]
-    ds = get_custom_dataset(gsm8k_jsonl, 0, 1, type="rl")
+    ds = get_custom_dataset("gsm8k", 0, 1, type="rl", source=gsm8k_jsonl)
     assert len(ds) == len(raw) == 40
     for src, row in zip(raw, _rows(ds)):
         assert row["messages"] == [{"role": "user", "content": src["question"] + INSTRUCTION}]
@@ -60,7 +60,7 @@ def test_synthetic_gsm8k_answers_are_right(gsm8k_jsonl):
 
 def test_gsm8k_sft_loss_mask_covers_only_the_answer(gsm8k_jsonl, tokenizer):
     raw = [json.loads(line) for line in open(gsm8k_jsonl)]
-    ds = get_custom_dataset(gsm8k_jsonl, 0, 1, type="sft", tokenizer=tokenizer)
+    ds = get_custom_dataset("gsm8k", 0, 1, type="sft", tokenizer=tokenizer, source=gsm8k_jsonl)
     for src, row in zip(raw[:10], _rows(ds)[:10]):
         ids, mask = row["input_ids"], row["loss_mask"]
         assert len(ids) == len(mask)
@@ -84,8 +84,8 @@ def test_gsm8k_directory_with_parquet_splits(tmp_path, gsm8k_jsonl):
     (tmp_path / "main").mkdir()
     datasets.Dataset.from_list(rows[:30]).to_parquet(str(tmp_path / "main" / "train-0.parquet"))
     datasets.Dataset.from_list(rows[30:]).to_parquet(str(tmp_path / "main" / "test-0.parquet"))
-    train = get_custom_dataset(str(tmp_path), 0, 1, split="train")
-    test = get_custom_dataset(str(tmp_path), 0, 1, split="test")
+    train = get_custom_dataset("gsm8k", 0, 1, split="train", source=str(tmp_path))
+    test = get_custom_dataset("gsm8k", 0, 1, split="test", source=str(tmp_path))
     assert (len(train), len(test)) == (30, 10)
     assert test[0]["messages"][0]["content"].startswith(rows[30]["question"])
 
@@ -95,19 +95,21 @@ def test_missing_field_error_names_row_and_field(tmp_path):
     rows = [{"question": "1+1?", "answer": "2 #### 2"}, {"question": "2+2?", "answer": None}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(DatasetFormatError, match=r"row 1 is missing field 'answer'"):
-        get_custom_dataset(str(path), 0, 1)
+        get_custom_dataset("gsm8k", 0, 1, source=str(path))
     path.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
     with pytest.raises(DatasetFormatError, match=r"row 0 field 'answer' has no '####"):
-        get_custom_dataset(str(path), 0, 1)
+        get_custom_dataset("gsm8k", 0, 1, source=str(path))
 
 
 def test_max_length_drops_and_counts_long_prompts(gsm8k_jsonl, tokenizer, caplog):
-    full = get_custom_dataset(gsm8k_jsonl, 0, 1, type="rl")
+    full = get_custom_dataset("gsm8k", 0, 1, type="rl", source=gsm8k_jsonl)
     lengths = [len(chat_prompt_ids(tokenizer, r["messages"])) for r in _rows(full)]
     limit = sorted(lengths)[len(lengths) // 2]
     expected_kept = sum(n <= limit for n in lengths)
     with caplog.at_level(logging.WARNING, logger="arealite.dataset"):
-        ds = get_custom_dataset(gsm8k_jsonl, 0, 1, tokenizer=tokenizer, max_length=limit)
+        ds = get_custom_dataset(
+            "gsm8k", 0, 1, tokenizer=tokenizer, max_length=limit, source=gsm8k_jsonl
+        )
     assert len(ds) == expected_kept < len(full)
     assert f"dropped {len(full) - expected_kept} of {len(full)}" in caplog.text
     assert all(len(chat_prompt_ids(tokenizer, r["messages"])) <= limit for r in _rows(ds))
@@ -116,21 +118,23 @@ def test_max_length_drops_and_counts_long_prompts(gsm8k_jsonl, tokenizer, caplog
 def test_bad_arguments_fail_clearly(gsm8k_jsonl):
     with pytest.raises(ValueError, match="needs a tokenizer"):
         get_custom_dataset(gsm8k_jsonl, 0, 1, type="sft")
-    with pytest.raises(ValueError, match="Unknown dataset 'no/such-dataset'"):
+    with pytest.raises(FileNotFoundError, match=r"'no/such-dataset' \(hub id.*built-in tasks"):
         get_custom_dataset("no/such-dataset", 0, 1)
     with pytest.raises(ValueError, match="'rl' or 'sft'"):
         get_custom_dataset(gsm8k_jsonl, 0, 1, type="dpo")
     with pytest.raises(ValueError, match="rank must be in"):
         get_custom_dataset(gsm8k_jsonl, 2, 2)
-    with pytest.raises(TypeError, match="batch_size"):
+    with pytest.raises(TypeError, match="unknown options \\['batch_size'\\]"):
         get_custom_dataset("arith", 0, 1, batch_size=4)
+    with pytest.raises(TypeError, match="not a built-in task, so options"):
+        get_custom_dataset(gsm8k_jsonl, 0, 1, max_digits=4)
 
 
 def test_gsm8k_hub_id_offline_error_points_to_local_files(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="local .jsonl/.parquet"):
-        get_custom_dataset("openai/gsm8k-not-cached-anywhere", 0, 1)
+        get_custom_dataset("gsm8k", 0, 1, source="openai/gsm8k-not-cached-anywhere")
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -138,9 +142,12 @@ def test_gsm8k_hub_id_offline_error_points_to_local_files(monkeypatch):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_partition_the_dataset(gsm8k_jsonl, world_size):
-    full = [r["query_id"] for r in _rows(get_custom_dataset(gsm8k_jsonl, 0, 1))]
+    full = [r["query_id"] for r in _rows(get_custom_dataset("gsm8k", 0, 1, source=gsm8k_jsonl))]
     shards = [
-        [r["query_id"] for r in _rows(get_custom_dataset(gsm8k_jsonl, rank, world_size))]
+        [
+            r["query_id"]
+            for r in _rows(get_custom_dataset("gsm8k", rank, world_size, source=gsm8k_jsonl))
+        ]
         for rank in range(world_size)
     ]
     assert sorted(sum(shards, [])) == sorted(full)  # union is everything, nothing twice
@@ -223,9 +230,9 @@ def test_arith_rl_rows_load_into_a_dataloader():
 def test_empty_dataset_file_is_named(tmp_path):
     from arealite.dataset import DatasetFormatError, get_custom_dataset
 
-    empty = tmp_path / "gsm8k_empty.jsonl"
+    empty = tmp_path / "my_empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(DatasetFormatError, match="gsm8k_empty.jsonl.*empty"):
+    with pytest.raises(DatasetFormatError, match="my_empty.jsonl.*empty"):
         get_custom_dataset(str(empty), 0, 1)
 
 

@@ -61,7 +61,7 @@ def grpo_overrides(fileroot: str, trial: str, model: str, steps: int) -> list[st
         f"train_dataset.batch_size={PROMPTS}", f"rollout.consumer_batch_size={PROMPTS}",
         "rollout.max_concurrent_rollouts=16", f"gconfig.n_samples={SAMPLES}",
         f"actor.group_size={SAMPLES}", "gconfig.max_new_tokens=4",
-        "valid_dataset.size=16", "valid_dataset.batch_size=16", "evaluator.freq_steps=2",
+        "valid_dataset.options.size=16", "valid_dataset.batch_size=16", "evaluator.freq_steps=2",
         "actor.fsdp.param_dtype=float32", "server.dtype=float32", "stats_logger.print_every=1",
     ]  # fmt: skip
 

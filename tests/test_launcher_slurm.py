@@ -27,7 +27,7 @@ CLUSTER_PROBE = os.path.join(HERE, "scripts", "cluster_probe.py")
 SETUP = os.path.join(ROOT, ".ci", "setup_slurm.sh")
 # The arithmetic GRPO example, 2 steps, shrunk to what 2 shared CPU cores run in seconds.
 GRPO_SMALL = [
-    "total_train_steps=2", "train_dataset.batch_size=4", "train_dataset.size=64",
+    "total_train_steps=2", "train_dataset.batch_size=4", "train_dataset.options.size=64",
     "rollout.consumer_batch_size=4", "rollout.max_concurrent_rollouts=8",
     "gconfig.n_samples=2", "actor.group_size=2", "valid_dataset=null",
 ]  # fmt: skip

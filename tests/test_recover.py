@@ -159,13 +159,13 @@ def trained_items(run_dir, rank: int = 0) -> dict[int, list[str]]:
 # ----------------------------------------------------------------------------- SFT
 
 SFT_STEPS = 24
-ARITH = ["train_dataset.n_operands=2"]  # 1-digit sums: a few SFT steps give GRPO a signal
+ARITH = ["train_dataset.options.n_operands=2"]  # 1-digit sums: a few SFT steps give GRPO a signal
 
 
 def sft_cmd(fileroot, model_dir, trial):
     return launcher_cmd(
         "arith_sft.py", "arith_sft.yaml", fileroot, trial,
-        [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.size=1024",
+        [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.options.size=1024",
          "train_dataset.batch_size=32", *ARITH, "recover.mode=auto", "recover.freq_steps=1",
          "recover.retries=2", "stats_logger.print_every=1"],
     )  # fmt: skip
@@ -216,10 +216,10 @@ def grpo_cmd(fileroot, model_dir, trial, extra=()):
     return launcher_cmd(
         "arith_grpo.py", "arith_grpo.yaml", fileroot, trial,
         [f"actor.path={model_dir}", f"total_train_steps={GRPO_STEPS}", *ARITH,
-         "train_dataset.size=256", "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
+         "train_dataset.options.size=256", "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
          "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "actor.group_size=4",
          "gconfig.seed=7", "server.dtype=float32", "actor.fsdp.param_dtype=float32",
-         "valid_dataset.size=8", "valid_dataset.batch_size=8", "recover.mode=auto",
+         "valid_dataset.options.size=8", "valid_dataset.batch_size=8", "recover.mode=auto",
          "recover.freq_steps=1", "recover.retries=2", *extra],
     )  # fmt: skip
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -27,6 +27,7 @@ from arealite.api.launch_config import (
     SlurmConfig,
 )
 from arealite.api.presets import ACTOR_PRESETS, PresetName
+from arealite.api.reward_api import reward_specs
 
 __all__ = [
     "MISSING",
@@ -308,10 +309,37 @@ class InferenceEngineConfig(ConfigBase):
 
 @dataclass
 class DatasetConfig(ConfigBase):
+    """Where the rows come from (see README "Bring your own task")."""
+
     path: str = field(
-        default="", metadata=_help("HF hub id, local dir, jsonl/parquet file, or 'arith'.")
+        default="",
+        metadata=_help(
+            "A built-in task (arith, gsm8k, clevr_count_70k, synthetic_counting), a local "
+            ".jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub id."
+        ),
     )
+    name: Optional[str] = field(default=None, metadata=_help("Hub dataset config name."))
     split: str = "train"
+    data_files: Any = field(
+        default=None, metadata=_help("Hub / folder data_files (a path, list or split dict).")
+    )
+    columns: dict[str, str] = field(
+        default_factory=dict,
+        metadata=_help(
+            "Canonical name -> the data's own column, e.g. {prompt: question, answer: solution}. "
+            "Canonical: messages | prompt, answer, images, completion (SFT)."
+        ),
+    )
+    prompt_template: Optional[str] = field(
+        default=None,
+        metadata=_help("Turns `prompt` into the user message, e.g. '{prompt}\\nAnswer:'."),
+    )
+    options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_help(
+            "Settings of a built-in task, e.g. arith: {size, seed, max_digits, n_operands}."
+        ),
+    )
     batch_size: int = field(default=8, metadata=_help("Prompts per step (global)."))
     shuffle: bool = True
     drop_last: bool = True
@@ -321,11 +349,6 @@ class DatasetConfig(ConfigBase):
     too_long: Literal["drop", "fail"] = field(
         default="drop", metadata=_help("Rows over max_length: dropped (counted, logged) or fail.")
     )
-    # Synthetic arithmetic task knobs (path='arith').
-    size: int = field(default=2000, metadata=_help("Rows of a synthetic dataset."))
-    seed: int = 0
-    max_digits: int = 2
-    n_operands: int = 2
 
     def __post_init__(self):
         super().__post_init__()
@@ -443,9 +466,25 @@ class GRPOConfig(BaseExperimentConfig):
     )
     critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
     server: ServerConfig = field(default_factory=ServerConfig)
+    reward: Any = field(
+        default=None,
+        metadata=_help(
+            "Reward function(s): a built-in name (math_verify, arith, clevr_count), "
+            "'my_pkg.rewards:score', 'path/to/file.py:score', or a list of them; null = the "
+            "built-in task's own. Contract: arealite/api/reward_api.py."
+        ),
+    )
+    reward_weights: Optional[list[float]] = field(
+        default=None, metadata=_help("Weights of a list of rewards (weighted sum); null = all 1.")
+    )
 
     def __post_init__(self):
         super().__post_init__()
+        if self.reward is not None or self.reward_weights is not None:
+            try:
+                reward_specs(self.reward, self.reward_weights)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.allocation.train_only:
             raise ConfigError(
                 f"allocation_mode={self.allocation_mode!r}: GRPO needs inference servers, e.g. "

@@ -117,11 +117,26 @@ def _flatten(d: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def _free_form_keys(cls: type, prefix: str = "") -> list[str]:
+    """Keys of dict / Any fields (dataset `options`, `columns`): their sub-keys are the user's."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], f"{prefix}{f.name}"
+        sub = _dataclass_in(hint)
+        if sub is not None:
+            out.extend(_free_form_keys(sub, key + "."))
+        elif hint is Any or typing.get_origin(hint) is dict or hint is dict:
+            out.append(key)
+    return out
+
+
 def _check_keys(user_keys: list[str], config_cls: type, source: str) -> None:
     valid = _valid_keys(config_cls)
     valid_set = set(valid)
+    free = tuple(k + "." for k in _free_form_keys(config_cls))
     for key in user_keys:
-        if key not in valid_set:
+        if key not in valid_set and not key.startswith(free):
             hint = _suggest(key, valid)
             msg = f"Unknown config key {key!r} (from {source})"
             if hint:

@@ -1,11 +1,11 @@
-"""Datasets by name: `get_custom_dataset(path, rank, world_size, type="rl"|"sft", ...)`.
-Imports arealite.api and arealite.utils only.
+"""Datasets from the config: `load_rows(cfg, rank, world_size, type, tokenizer, processor)`, or
+`get_custom_dataset(path, ...)` with the same settings as keywords. Imports arealite.api and
+arealite.utils only.
 
-`path` picks the task: "arith" (synthetic arithmetic, see arith.py), a GSM8K hub id
-("openai/gsm8k") or a local GSM8K-format .jsonl / .parquet file or directory (see gsm8k.py),
-a CLEVR-count source (any path containing "clevr_count_70k") or "synthetic_counting" (its
-offline stand-in, `size` rows from `seed`); the vision sets need a `processor`
-(see clevr_count_70k.py).
+`path` is a built-in task name (registry.py: arith, gsm8k / openai/gsm8k, clevr_count_70k,
+synthetic_counting; their settings come as `options`) or any dataset `datasets` can open
+(sources.py: a .jsonl / .json / .parquet / .csv file, a `save_to_disk` folder, a hub id with
+`name` / `split` / `data_files`), whose columns become canonical rows (rows.py).
 The result is a `datasets.Dataset` (map-style, so StatefulDataLoader can checkpoint its position)
 holding this rank's shard; every rank builds the same rows and keeps a disjoint contiguous slice.
 """
@@ -15,25 +15,25 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from arealite.dataset.arith import get_arith_dataset
 from arealite.dataset.common import DatasetFormatError, drop_long_rows
-from arealite.dataset.gsm8k import get_gsm8k_dataset, write_synthetic_gsm8k_jsonl
+from arealite.dataset.gsm8k import write_synthetic_gsm8k_jsonl
+from arealite.dataset.registry import ARITH_OPTIONS, BUILTIN_TASKS, find_task
+from arealite.dataset.rows import rl_row, sft_row_from
+from arealite.dataset.sources import DatasetNotFoundError, map_columns, open_source
 
 __all__ = [
-    "ARITH_KWARGS",
+    "ARITH_OPTIONS",
+    "BUILTIN_TASKS",
     "DatasetFormatError",
+    "DatasetNotFoundError",
+    "default_reward",
     "get_custom_dataset",
+    "is_vision_dataset",
+    "load_rows",
+    "preview_rows",
     "shard_dataset",
     "write_synthetic_gsm8k_jsonl",
 ]
-
-# Knobs of the synthetic arithmetic task (DatasetConfig.size / seed / max_digits / n_operands).
-ARITH_KWARGS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction")
-
-
-def _has_content(path: str) -> bool:
-    with open(path, "rb") as f:
-        return bool(f.read(4096).strip())
 
 
 def shard_dataset(ds: Any, rank: int, world_size: int) -> Any:
@@ -43,6 +43,31 @@ def shard_dataset(ds: Any, rank: int, world_size: int) -> Any:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+
+
+def default_reward(path: str) -> str | None:
+    """The built-in reward of a built-in task (None for user data: the config must name one)."""
+    found = find_task(path)
+    return found[1].reward if found else None
+
+
+def is_vision_dataset(path: str, model_path: str = "") -> bool:
+    """Rows carry images (the loop then needs the model's processor and a vision workflow): a
+    vision built-in task, or a local model folder with an image preprocessor."""
+    found = find_task(path)
+    if found is not None:
+        return found[1].vision
+    return os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
+
+
+def load_rows(cfg: Any, rank: int, world_size: int, type: str, tokenizer=None, processor=None):
+    """This rank's shard of the dataset a DatasetConfig describes."""
+    return get_custom_dataset(
+        cfg.path, rank, world_size, type=type, split=cfg.split, tokenizer=tokenizer,
+        processor=processor, max_length=cfg.max_length, too_long=cfg.too_long, name=cfg.name,
+        data_files=cfg.data_files, columns=cfg.columns, prompt_template=cfg.prompt_template,
+        **(cfg.options or {}),
+    )  # fmt: skip
 
 
 def get_custom_dataset(
@@ -55,48 +80,76 @@ def get_custom_dataset(
     processor: Any = None,
     max_length: int | None = None,
     too_long: str = "drop",
-    **kwargs: Any,
+    name: str | None = None,
+    data_files: Any = None,
+    columns: dict[str, str] | None = None,
+    prompt_template: str | None = None,
+    **options: Any,
 ) -> Any:
-    """This rank's shard of dataset `path`, as RL rows (messages, answer, query_id) or SFT rows
-    (input_ids, loss_mask). Rows longer than `max_length` tokens are dropped (and counted in
-    the log) before sharding, so every rank drops the same rows."""
+    """This rank's shard of dataset `path`, as RL rows (messages, query_id, and the other
+    columns: answer, images, ...) or SFT rows (input_ids, loss_mask). Rows longer than
+    `max_length` tokens are dropped (and counted in the log) before sharding, so every rank
+    drops the same rows. `options` go to a built-in task."""
     if type not in ("rl", "sft"):
         raise ValueError(f"dataset type must be 'rl' or 'sft', got {type!r}")
     if tokenizer is None and processor is not None:
         tokenizer = getattr(processor, "tokenizer", None)
     if type == "sft" and tokenizer is None:
         raise ValueError(f"SFT dataset {path!r} needs a tokenizer")
-    unknown = set(kwargs) - set(ARITH_KWARGS)
-    if unknown:
-        raise TypeError(f"get_custom_dataset got unknown arguments {sorted(unknown)}")
-    if path == "synthetic_counting" or "clevr_count_70k" in path.lower():
-        return _vision_dataset(path, rank, world_size, type, split, processor, kwargs)
-    if path == "arith":
-        ds = get_arith_dataset(split, type, tokenizer, **kwargs)
-    elif os.path.isfile(path) and not _has_content(path):
-        raise DatasetFormatError(f"dataset file {path!r} is empty")
-    elif "gsm8k" in path.lower() or os.path.exists(path):
-        # The arithmetic knobs (always present in DatasetConfig) mean nothing here.
-        ds = get_gsm8k_dataset(path, split, type, tokenizer)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    found = find_task(path)
+    if found is not None:
+        ds = _builtin_rows(found, split, type, tokenizer, processor, rank, world_size, options)
+        if found[1].shards_itself:
+            return ds
     else:
-        raise ValueError(
-            f"Unknown dataset {path!r}: use 'arith', a GSM8K hub id ('openai/gsm8k'), or a local "
-            "GSM8K-format .jsonl / .parquet file or directory"
-        )
+        if options:
+            raise TypeError(
+                f"dataset {path!r} is not a built-in task, so options {sorted(options)} mean "
+                f"nothing (built-in tasks: {sorted(BUILTIN_TASKS)})"
+            )
+        raw = preview_rows(path, split, name, data_files, columns, n=None)
+        ds = _canonical_rows(raw, path, split, type, tokenizer, prompt_template)
     if len(ds) == 0:
         raise DatasetFormatError(f"dataset {path!r} (split {split!r}) has no rows")
     ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}", on_long=too_long)
     return shard_dataset(ds, rank, world_size)
 
 
-def _vision_dataset(path, rank, world_size, type, split, processor, kwargs) -> Any:
-    """CLEVR-count rows (RL: messages + images + answer; SFT: ids + images), sharded inside."""
-    from arealite.dataset import clevr_count_70k as clevr
+def _builtin_rows(found, split, type, tokenizer, processor, rank, world_size, options) -> Any:
+    task_name, task = found
+    unknown = set(options) - set(task.options)
+    if unknown:
+        raise TypeError(
+            f"dataset {task_name!r} got unknown options {sorted(unknown)}; it takes "
+            f"{list(task.options)}"
+        )
+    if task.shards_itself:
+        options = dict(options, rank=rank, world_size=world_size)
+    return task.load(split, type, tokenizer, processor, **options)
 
-    if processor is None:
-        raise ValueError(f"vision dataset {path!r} needs a processor (load_vlm_processor(path))")
-    if path == "synthetic_counting":
-        path = clevr.synthetic_counting_dir(kwargs.get("size", 256), kwargs.get("seed", 0), split)
+
+def preview_rows(path, split="train", name=None, data_files=None, columns=None, n=8) -> Any:
+    """The raw table of a non-built-in dataset with canonical column names (first `n` rows
+    only when `n` is given: what preflight checks)."""
+    try:
+        ds = open_source(path, split, name, data_files)
+    except DatasetNotFoundError as e:
+        raise DatasetNotFoundError(f"{e} (built-in tasks: {sorted(BUILTIN_TASKS)})") from e
+    if n is not None:
+        ds = ds.select(range(min(n, len(ds))))
+    return map_columns(ds, columns, source=f"dataset {path!r}")
+
+
+def _canonical_rows(raw, path, split, type, tokenizer, template) -> Any:
+    source = f"dataset {path!r} split {split!r}"
+    prefix = f"{os.path.basename(path.rstrip('/')) or path}-{split}"
     if type == "rl":
-        return clevr.get_clevr_count_70k_rl_dataset(path, split, processor, rank, world_size)
-    return clevr.get_clevr_count_70k_sft_dataset(path, split, processor, rank, world_size)
+        fn, kw = rl_row, {"template": template, "source": source, "id_prefix": prefix}
+    else:
+        fn, kw = sft_row_from, {"tokenizer": tokenizer, "template": template, "source": source}
+    return raw.map(
+        fn, with_indices=True, fn_kwargs=kw, remove_columns=raw.column_names,
+        keep_in_memory=True, load_from_cache_file=False,
+    )  # fmt: skip

@@ -68,7 +68,8 @@ def generate_arith_problems(
     ops: str = "+",
     test_fraction: float = 0.2,
 ) -> list[tuple[str, int]]:
-    """`size` (expression, value) pairs of `split`, unique unless the split has fewer problems."""
+    """`size` (expression, value) pairs of `split`, unique unless the split has fewer problems;
+    then a train split repeats them and a held-out split stops at the distinct ones."""
     _validate(size, max_digits, n_operands, ops, test_fraction)
     if split != "train" and split not in HELD_OUT_SPLITS:
         raise ValueError(f"arith split must be 'train' or one of {HELD_OUT_SPLITS}, got {split!r}")
@@ -83,6 +84,12 @@ def generate_arith_problems(
         if not pool:
             raise ValueError(f"arith split {split!r} is empty; raise test_fraction or max_digits")
         rng.shuffle(pool)
+        if size > len(pool) and held_out:  # a held-out set never counts a problem twice
+            logger.warning(
+                "arith %s: only %d distinct problems exist; using %d rows, not size=%d",
+                split, len(pool), len(pool), size,
+            )  # fmt: skip
+            return pool
         if size > len(pool):
             logger.info(
                 "arith %s: %d problems exist, repeating to reach %d", split, len(pool), size

@@ -1,5 +1,7 @@
 """Reward functions: `reward_fn(prompt, completions, prompt_ids, completion_ids, **row) -> float`.
-Imports arealite.api and arealite.utils only.
+Imports arealite.api and arealite.utils only. The contract, and how a config names a reward
+(`reward: my_file.py:score`, built-ins by short name), are in arealite/api/reward_api.py;
+`make_reward_pool(config.reward, config.reward_weights, ...)` builds what a workflow calls.
 
 `completions` is ONE completion string (the name follows AReaL); `row` is the dataset row, so
 `answer` arrives as a keyword. All functions are module-level, hence picklable into the reward
@@ -13,13 +15,16 @@ from collections.abc import Callable
 from arealite.reward.arith import arith_reward_fn
 from arealite.reward.clevr_count import clevr_count_reward_fn
 from arealite.reward.math_verify_reward import gsm8k_reward_fn, math_reward_fn
+from arealite.reward.task_reward import WeightedRewardPool, make_reward_pool
 
 __all__ = [
     "REWARD_FNS",
+    "WeightedRewardPool",
     "arith_reward_fn",
     "clevr_count_reward_fn",
     "get_reward_fn",
     "gsm8k_reward_fn",
+    "make_reward_pool",
     "math_reward_fn",
 ]
 

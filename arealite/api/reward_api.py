@@ -1,0 +1,174 @@
+"""The reward contract, and how a config names a reward (`reward:` in a GRPO YAML).
+
+A reward function scores ONE sampled completion:
+
+    def score(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int],
+              **row) -> float
+
+- `prompt`: the chat-templated prompt text the model saw; `completions`: the text of this one
+  sample (special tokens skipped; the name follows AReaL); `prompt_ids` / `completion_ids`:
+  the exact token ids.
+- `**row`: every other column of the dataset row, by its canonical name (`answer`, `images`,
+  `query_id`, `messages`, and the user's own columns). Take what you need, accept `**row`.
+- It may be `async def`. It runs in a worker process, so it must live at module level.
+- It returns a float. An exception, a non-finite value or a timeout
+  (`rollout.reward_timeout`) scores 0 for that sample; the run goes on, the metrics count it
+  (`rollout/errors`, `rollout/timeouts`) and the first traceback is logged.
+
+Example, `my_rewards.py` next to the YAML:
+
+    def score(prompt, completions, prompt_ids, completion_ids, answer=None, difficulty=1, **row):
+        return float(completions.strip() == str(answer)) * difficulty
+
+    reward: my_rewards.py:score            # or an import path: my_pkg.rewards:score
+    reward: [math_verify, my_rewards.py:brevity]
+    reward_weights: [1.0, 0.1]             # weighted sum; each component is logged
+
+Built-ins by short name: BUILTIN_REWARDS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+logger = logging.getLogger("arealite.reward")
+
+BUILTIN_REWARDS = {
+    "math_verify": "arealite.reward.math_verify_reward:math_reward_fn",
+    "gsm8k": "arealite.reward.math_verify_reward:gsm8k_reward_fn",
+    "arith": "arealite.reward.arith:arith_reward_fn",
+    "clevr_count": "arealite.reward.clevr_count:clevr_count_reward_fn",
+}
+CONTRACT_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")
+
+
+class RewardFn(Protocol):
+    def __call__(
+        self,
+        prompt: str,
+        completions: str,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        **row: Any,
+    ) -> float: ...
+
+
+class RewardSpecError(ValueError):
+    """A `reward:` entry that does not resolve to a usable function (the message names it)."""
+
+
+def _import_file(path: str, spec: str) -> Any:
+    if not os.path.isfile(path):
+        raise RewardSpecError(f"reward {spec!r}: no such file {path!r}")
+    name = "arealite_user_reward_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def resolve_reward(spec: str) -> Callable[..., Any]:
+    """The function a spec names: a built-in short name, `pkg.module:fn` or `file.py:fn`."""
+    target = BUILTIN_REWARDS.get(spec, spec)
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise RewardSpecError(
+            f"reward {spec!r}: expected a built-in name ({sorted(BUILTIN_REWARDS)}), "
+            "'my_pkg.rewards:score' or 'path/to/file.py:score'"
+        )
+    try:
+        if where.endswith(".py"):
+            module = _import_file(where, spec)
+        else:
+            module = importlib.import_module(where)
+    except RewardSpecError:
+        raise
+    except Exception as e:
+        raise RewardSpecError(
+            f"reward {spec!r}: importing {where!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardSpecError(f"reward {spec!r}: {where!r} has no function {attr!r}")
+    check_reward_signature(fn, spec)
+    return fn
+
+
+def check_reward_signature(fn: Callable[..., Any], spec: str) -> None:
+    """`fn` accepts the four contract arguments by name and the row's columns as keywords."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check
+    params = sig.parameters.values()
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    missing = [a for a in CONTRACT_ARGS if a not in names and not var_kw]
+    if missing or not var_kw:
+        need = "the arguments " + ", ".join(missing) if missing else "a **row catch-all"
+        raise RewardSpecError(
+            f"reward {spec!r}: {getattr(fn, '__name__', fn)}{sig} lacks {need}; the contract "
+            "is fn(prompt, completions, prompt_ids, completion_ids, **row) -> float "
+            "(see arealite/api/reward_api.py)"
+        )
+
+
+def reward_specs(reward: Any, weights: Any) -> list[tuple[str, float]]:
+    """(spec, weight) pairs of a `reward:` value (a string or a list) and `reward_weights`."""
+    specs = [reward] if isinstance(reward, str) else list(reward or [])
+    if not specs or not all(isinstance(s, str) and s for s in specs):
+        raise RewardSpecError(f"reward must be a name/spec or a list of them, got {reward!r}")
+    if weights is None:
+        weights = [1.0] * len(specs)
+    weights = list(weights)
+    if len(weights) != len(specs):
+        raise RewardSpecError(
+            f"reward_weights has {len(weights)} entries for {len(specs)} rewards {specs}"
+        )
+    return list(zip(specs, (float(w) for w in weights)))
+
+
+class ContractReward:
+    """A reward spec as a picklable callable: each worker process resolves the spec itself
+    (a `file.py:fn` module cannot be pickled by name), awaits an async function, and logs the
+    first traceback it meets before re-raising (the pool then scores 0 and counts it)."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.__name__ = spec
+        self._fn: Callable[..., Any] | None = None
+        self._logged_traceback = False
+
+    def __getstate__(self) -> dict:
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
+        if self._fn is None:
+            self._fn = resolve_reward(self.spec)
+        try:
+            value = self._fn(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_awaited(value))
+            return value
+        except Exception:
+            if not self._logged_traceback:
+                self._logged_traceback = True
+                print(f"reward {self.spec!r} raised (first traceback in this worker):\n"
+                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)  # fmt: skip
+            raise
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
