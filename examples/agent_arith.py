@@ -1,6 +1,6 @@
 """GRPO on an agent written only against the `openai` SDK (examples/agent_arith_openai.py):
 multi-turn arithmetic where a wrong answer gets "Wrong, try again." and later turns are
-discounted. `gsm8k_grpo.py`'s loop with an agent workflow instead of RLVRWorkflow.
+discounted. `grpo.py`'s loop with an agent workflow instead of RLVRWorkflow.
 
     AGENT_MODE=proxy|inprocess python -m arealite.launcher.local examples/agent_arith.py \
         --config examples/configs/agent_arith.yaml actor.path=<SFT model>
@@ -13,18 +13,19 @@ script with only `base_url` changed. Held-out success is measured greedily on th
 import atexit
 import logging
 import os
+import runpy
 import secrets
 import subprocess
 import sys
 
 from agent_arith_openai import last_integer, solve
-from gsm8k_grpo import main
 
 from arealite.agent import AgentWorkflow
 from arealite.agent.proxy import AgentProxy
 
 TURN_DISCOUNT = 0.5
-AGENT_WORKERS = 16
+AGENT_WORKERS = 64  # concurrent sessions: enough for every group of the episodes in flight
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 async def first_answer(client, row: dict) -> float:
@@ -39,7 +40,7 @@ def start_proxy(tokenizer, gconfig):
     proxy = AgentProxy(tokenizer, gconfig, api_key=key, session_timeout=300,
                        export_style="concat", turn_discount=TURN_DISCOUNT)  # fmt: skip
     url = proxy.start()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_arith_openai.py")
+    script = os.path.join(HERE, "agent_arith_openai.py")
     agents = subprocess.Popen(
         [sys.executable, script, "--proxy", url, "--key", key, "--workers", str(AGENT_WORKERS)]
     )
@@ -62,4 +63,5 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    main(sys.argv[1:], reward_fn=None, workflow_cls=make_workflow)
+    grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
+    grpo_main(sys.argv[1:], reward_fn=None, workflow_cls=make_workflow)

@@ -166,3 +166,20 @@ def test_64_concurrent_sessions_nothing_leaks_nothing_twice(tmp_path, executor, 
     assert sorted(batch["rewards"].tolist()) == [float(i) for i in range(64)]  # each once
     assert proxy.stats["finished"] == 64 and proxy.stats["started"] == 64
     assert proxy.open_sessions == 0 and proxy.queued_tasks == 0
+
+
+def test_an_episode_is_a_grpo_group_of_n_samples_sessions(tmp_path, executor, tokenizer):
+    """GRPO normalises over adjacent rows of one prompt: each episode must offer its item
+    `n_samples` times and return those sessions together."""
+    gconfig = GenerationHyperparameters(n_samples=3, max_new_tokens=4)
+    p = AgentProxy(tokenizer, gconfig, api_key=PROXY_KEY, session_timeout=30.0)
+    p.start()
+    try:
+        t, out = rollout(executor, p, 2)
+        results, batch = finish(run_agents(tmp_path, p, "quick", 6), t, out)
+    finally:
+        p.stop()
+    assert sorted(r["i"] for r in results) == [0, 0, 0, 1, 1, 1]
+    rewards = batch["rewards"].tolist()
+    assert len(rewards) == 6 and p.stats["offered"] == 6 and p.stats["finished"] == 6
+    assert rewards[:3] in ([0.0] * 3, [1.0] * 3) and sorted(rewards) == [0, 0, 0, 1, 1, 1]

@@ -1,7 +1,7 @@
 """`AgentProxy`: train black-box agents (other processes, any OpenAI client) through HTTP.
 
 The executor drives it like any workflow: each episode of `proxy.workflow` offers its data item
-as a task and waits. An agent process claims a task with `POST /v1/sessions` and gets
+as `gconfig.n_samples` tasks (one GRPO group) and waits. An agent process claims a task with `POST /v1/sessions` and gets
 `{session_id, base_url, api_key, data}`; it points its OpenAI client at `base_url` (the only
 change to the agent), then `POST {base_url}/reward` and `POST {base_url}/end`. Completions go
 through a `TrainingOpenAIClient` on the episode's engine, so the staleness bound applies to
@@ -32,6 +32,7 @@ from arealite.agent.client import TrainingOpenAIClient
 from arealite.agent.interactions import ExportStyle
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.api.workflow_api import RolloutWorkflow
+from arealite.utils.data import concat_padded_tensors
 
 logger = logging.getLogger("arealite.agent")
 
@@ -95,13 +96,21 @@ class ProxyWorkflow(RolloutWorkflow):
         self.proxy.stats.update({k: int(v) for k, v in state["stats"].items()})
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]):
-        task = _Task(data, _LoopBoundEngine(engine, asyncio.get_running_loop()))
-        self.proxy.offer(task)
+        """`gconfig.n_samples` sessions on this item (a GRPO group: adjacent rows of one
+        prompt); the group is rejected (None) if any session is dropped."""
+        bound = _LoopBoundEngine(engine, asyncio.get_running_loop())
+        tasks = [_Task(data, bound) for _ in range(self.proxy.group_size)]
+        for task in tasks:
+            self.proxy.offer(task)
         try:
-            return await asyncio.wrap_future(task.result)
+            rows = await asyncio.gather(*(asyncio.wrap_future(t.result) for t in tasks))
         except asyncio.CancelledError:
-            self.proxy.withdraw(task)
+            for task in tasks:
+                self.proxy.withdraw(task)
             raise
+        if any(r is None for r in rows):
+            return None
+        return rows[0] if len(rows) == 1 else concat_padded_tensors(list(rows))
 
 
 class AgentProxy:
@@ -120,6 +129,7 @@ class AgentProxy:
         tool_parser: str = "auto",
     ):
         self.tokenizer, self.gconfig = tokenizer, gconfig.new(n_samples=1)
+        self.group_size = gconfig.n_samples  # sessions per episode (one GRPO group)
         self.host, self.port, self.api_key = host, port, api_key
         self.session_timeout = session_timeout
         self.export_style: ExportStyle = export_style
