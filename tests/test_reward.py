@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -111,3 +112,105 @@ def test_get_reward_fn():
     assert get_reward_fn("gsm8k") is gsm8k_reward_fn
     with pytest.raises(ValueError, match="arith"):
         get_reward_fn("nope")
+
+
+# ----------------------------------------------------------------------------- reward from config
+
+USER_REWARDS = """
+import asyncio
+
+
+def exact(prompt, completions, prompt_ids, completion_ids, answer=None, bonus=0, **row):
+    return float(completions.strip() == str(answer)) + bonus
+
+
+async def slow_ok(prompt, completions, prompt_ids, completion_ids, **row):
+    await asyncio.sleep(0)
+    return 0.5
+
+
+def flaky(prompt, completions, prompt_ids, completion_ids, query_id="", **row):
+    if query_id.endswith("-0"):
+        raise RuntimeError("flaky reward fails on row 0")
+    return 1.0
+
+
+def no_row(prompt, completions):
+    return 1.0
+"""
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_REWARDS)
+    return str(path)
+
+
+def test_reward_specs_resolve_builtins_files_and_import_paths(rewards_file):
+    from arealite.api.reward_api import resolve_reward
+
+    assert resolve_reward("arith") is arith_reward_fn
+    assert resolve_reward("math_verify") is math_reward_fn
+    assert resolve_reward("arealite.reward.clevr_count:clevr_count_reward_fn") is (
+        clevr_count_reward_fn
+    )
+    fn = resolve_reward(f"{rewards_file}:exact")
+    assert fn("p", " 4 ", [], [], answer="4", bonus=1, query_id="x") == 2.0
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", r"reward 'nope': expected a built-in name"),
+        ("no_such_pkg.rewards:score", r"reward 'no_such_pkg.rewards:score': importing .* failed"),
+        ("missing.py:score", r"reward 'missing.py:score': no such file 'missing.py'"),
+        ("{file}:absent", r"has no function 'absent'"),
+        ("{file}:no_row", r"no_row\(prompt, completions\) lacks the arguments prompt_ids"),
+    ],
+)
+def test_reward_spec_errors_name_the_spec(rewards_file, spec, message):
+    from arealite.api.reward_api import RewardSpecError, resolve_reward
+
+    with pytest.raises(RewardSpecError, match=message):
+        resolve_reward(spec.format(file=rewards_file))
+
+
+def test_reward_weights_must_match():
+    from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
+
+    with pytest.raises(ConfigError, match="reward_weights has 1 entries for 2 rewards"):
+        load_expr_config(
+            ["experiment_name=x", "trial_name=y", "actor.path=m", "reward=[arith,math_verify]",
+             "reward_weights=[1.0]"], GRPOConfig,
+        )  # fmt: skip
+
+
+def test_contract_reward_in_worker_processes_async_and_errors_counted(rewards_file, caplog):
+    """A file reward resolves in each worker (pickled by spec); async works; an exception in one
+    sample gives 0, is counted, and its traceback reaches the log."""
+    import asyncio
+
+    from arealite.reward import make_reward_pool
+
+    pool = make_reward_pool([f"{rewards_file}:exact", f"{rewards_file}:slow_ok",
+                             f"{rewards_file}:flaky"], [1.0, 2.0, 10.0], workers=1, timeout=20)  # fmt: skip
+
+    async def score_all():
+        return await asyncio.gather(*(
+            pool("p", "4", [1], [2], answer="4", bonus=0, query_id=f"q-{i}") for i in range(8)
+        ))  # fmt: skip
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="arealite.reward"):
+            values = asyncio.run(score_all())
+        # exact 1 + 2 * 0.5 + 10 * flaky (0 on row q-0, which raised)
+        assert sorted(values) == [2.0] + [12.0] * 7
+        assert pool.stats["errors"] == 1 and pool.stats["calls"] == 24
+        assert "flaky reward fails on row 0" in caplog.text
+        comps = pool.component_stats()
+        assert comps[f"reward/{rewards_file}:exact"] == 1.0
+        assert comps[f"reward/{rewards_file}:slow_ok"] == 0.5
+        assert comps[f"reward/{rewards_file}:flaky"] == pytest.approx(7 / 8)
+    finally:
+        pool.close()

@@ -137,35 +137,33 @@ def reward_specs(reward: Any, weights: Any) -> list[tuple[str, float]]:
     return list(zip(specs, (float(w) for w in weights)))
 
 
+# Per process: each call unpickles a fresh ContractReward, so resolution and "first traceback"
+# are remembered here, by spec.
+_RESOLVED: dict[str, Callable[..., Any]] = {}
+_TRACEBACK_LOGGED: set[str] = set()
+
+
 class ContractReward:
-    """A reward spec as a picklable callable: each worker process resolves the spec itself
-    (a `file.py:fn` module cannot be pickled by name), awaits an async function, and logs the
-    first traceback it meets before re-raising (the pool then scores 0 and counts it)."""
+    """A reward spec as a picklable callable: each worker process resolves the spec itself,
+    once (a `file.py:fn` module cannot be pickled by name), awaits an async function, and
+    prints the first traceback of each spec before re-raising (the pool scores 0, counts it)."""
 
     def __init__(self, spec: str):
         self.spec = spec
         self.__name__ = spec
-        self._fn: Callable[..., Any] | None = None
-        self._logged_traceback = False
-
-    def __getstate__(self) -> dict:
-        return {"spec": self.spec}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["spec"])
 
     def __call__(self, *args: Any, **kwargs: Any) -> float:
-        if self._fn is None:
-            self._fn = resolve_reward(self.spec)
+        if self.spec not in _RESOLVED:
+            _RESOLVED[self.spec] = resolve_reward(self.spec)
         try:
-            value = self._fn(*args, **kwargs)
+            value = _RESOLVED[self.spec](*args, **kwargs)
             if inspect.isawaitable(value):
                 value = asyncio.run(_awaited(value))
             return value
         except Exception:
-            if not self._logged_traceback:
-                self._logged_traceback = True
-                print(f"reward {self.spec!r} raised (first traceback in this worker):\n"
+            if self.spec not in _TRACEBACK_LOGGED:
+                _TRACEBACK_LOGGED.add(self.spec)
+                print(f"reward {self.spec!r} raised (first traceback in this process):\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)  # fmt: skip
             raise
 

@@ -26,6 +26,7 @@ __all__ = [
     "BUILTIN_TASKS",
     "DatasetFormatError",
     "DatasetNotFoundError",
+    "check_dataset_config",
     "default_reward",
     "get_custom_dataset",
     "is_vision_dataset",
@@ -128,6 +129,38 @@ def _builtin_rows(found, split, type, tokenizer, processor, rank, world_size, op
     if task.shards_itself:
         options = dict(options, rank=rank, world_size=world_size)
     return task.load(split, type, tokenizer, processor, **options)
+
+
+def check_dataset_config(cfg: Any, type: str) -> None:
+    """What preflight checks in about a second: a built-in task knows its options; any other
+    dataset opens and its first rows have the canonical columns `type` needs."""
+    found = find_task(cfg.path)
+    if found is not None:
+        unknown = set(cfg.options or {}) - set(found[1].options)
+        if unknown:
+            raise TypeError(
+                f"options {sorted(unknown)} are not settings of {found[0]!r} "
+                f"(it takes {list(found[1].options)})"
+            )
+        return
+    if cfg.options:
+        raise TypeError(f"options {sorted(cfg.options)} apply to built-in tasks only")
+    rows = preview_rows(cfg.path, cfg.split, cfg.name, cfg.data_files, cfg.columns, n=8)
+    need = (
+        [("messages",), ("prompt",)] if type == "rl" else [("messages",), ("prompt", "completion")]
+    )
+    if not any(all(c in rows.column_names for c in group) for group in need):
+        wanted = " or ".join("+".join(g) for g in need)
+        raise DatasetFormatError(
+            f"dataset {cfg.path!r} has columns {rows.column_names} but {type.upper()} needs "
+            f"{wanted}; map yours with columns: {{prompt: <your column>}}"
+        )
+    source = f"dataset {cfg.path!r} split {cfg.split!r}"
+    for i, row in enumerate(rows):
+        if type == "rl":
+            rl_row(row, i, cfg.prompt_template, source, "preflight")
+        elif row.get("messages") is None and row.get("completion") is None:
+            raise DatasetFormatError(f"{source}: row {i} has no 'completion'")
 
 
 def preview_rows(path, split="train", name=None, data_files=None, columns=None, n=8) -> Any:

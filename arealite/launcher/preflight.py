@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig, load_expr_config
+from arealite.api.reward_api import RewardSpecError, resolve_reward, reward_specs
 
 # "org/name" (a hub id) rather than a filesystem path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Dataset names the dataset layer generates or knows without a path.
-BUILTIN_DATASETS = ("arith", "synthetic_counting")
 
 
 def split_launcher_args(argv: list[str]) -> tuple[str, list[str], str | None]:
@@ -63,25 +62,48 @@ def _check_model_path(key: str, path: str) -> None:
     raise ConfigError(f"{key}={path!r}: no such model directory (and not a hub id like org/name)")
 
 
-def _check_dataset_path(key: str, path: str) -> None:
-    if path in BUILTIN_DATASETS or os.path.exists(path) or _HUB_ID.match(path):
-        return
-    raise ConfigError(
-        f"{key}={path!r}: dataset path does not exist (and is not a hub id or one of {list(BUILTIN_DATASETS)})"
-    )
-
-
 def check_paths(config) -> None:
-    """Model and dataset paths that must exist locally do."""
+    """Model paths that must exist locally do (datasets: check_task)."""
     for key in ("actor", "ref", "critic", "model"):
         sub = getattr(config, key, None)
         if sub is not None and getattr(sub, "path", ""):
             _check_model_path(f"{key}.path", sub.path)
     if getattr(config, "tokenizer_path", ""):
         _check_model_path("tokenizer_path", config.tokenizer_path)
-    _check_dataset_path("train_dataset.path", config.train_dataset.path)
-    if config.valid_dataset is not None and config.valid_dataset.path:
-        _check_dataset_path("valid_dataset.path", config.valid_dataset.path)
+
+
+def _dataset_layer():
+    """The dataset layer, imported by name: the launcher does not build rows itself (DESIGN.md's
+    import rule), it only asks the layer the training script will use to open the data."""
+    return importlib.import_module("arealite.dataset")
+
+
+def check_task(config) -> None:
+    """The datasets open with the columns the run needs, and every reward imports with the
+    contract's signature (arealite/api/reward_api.py), before any server starts."""
+    kind = "sft" if isinstance(config, SFTConfig) else "rl"
+    dataset = _dataset_layer()
+    for key in ("train_dataset", "valid_dataset"):
+        cfg = getattr(config, key, None)
+        if cfg is None or not cfg.path:
+            continue
+        try:
+            dataset.check_dataset_config(cfg, kind)
+        except (ValueError, TypeError, OSError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+    if kind != "rl" or not hasattr(config, "reward"):
+        return
+    reward = config.reward or dataset.default_reward(config.train_dataset.path)
+    if reward is None:
+        raise ConfigError(
+            f"reward is not set and train_dataset.path={config.train_dataset.path!r} is not a "
+            "built-in task: set reward: my_rewards.py:score (see arealite/api/reward_api.py)"
+        )
+    try:
+        for spec, _ in reward_specs(reward, config.reward_weights):
+            resolve_reward(spec)
+    except RewardSpecError as e:
+        raise ConfigError(f"reward: {e}") from None
 
 
 def check_resources(config, n_gpus_available: int | None = None) -> None:
@@ -109,6 +131,7 @@ def load_and_check(argv: list[str]):
     config_cls = resolve_config_cls(script_args, cls_path)
     config = load_expr_config(script_args, config_cls)
     check_paths(config)
+    check_task(config)
     return script, script_args, config
 
 
