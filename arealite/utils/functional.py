@@ -325,27 +325,10 @@ def ppo_actor_loss_fn(
     ratio. Returns (loss, stats); stats hold detached per-token tensors (0 off the mask) and
     scalar ratios/means for logging.
     """
-    if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(
-            f"importance_sampling_level must be 'token' or 'sequence', "
-            f"got {importance_sampling_level!r}"
-        )
-    if not eps_clip > 0 or (eps_clip_higher is not None and not eps_clip_higher > 0):
-        raise ValueError(f"eps_clip/eps_clip_higher must be > 0, got {eps_clip}, {eps_clip_higher}")
-    if c_clip is not None and not c_clip > 1:
-        raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
-    if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 0:
-        raise ValueError(f"behav_imp_weight_cap must be > 0, got {behav_imp_weight_cap}")
-    if cu_seqlens is not None and logprobs.ndim != 1:
-        raise ValueError("cu_seqlens is only for packed 1-D inputs")
-    shapes = {tuple(t.shape) for t in (logprobs, old_logprobs, advantages, loss_mask)}
-    if proximal_logprobs is not None:
-        shapes.add(tuple(proximal_logprobs.shape))
-    if len(shapes) != 1:
-        raise ValueError(
-            f"logprobs, old/proximal logprobs, advantages, loss_mask shapes differ: {shapes}"
-        )
-
+    _check_actor_loss_args(
+        (logprobs, old_logprobs, advantages, loss_mask, proximal_logprobs), eps_clip,
+        eps_clip_higher, c_clip, behav_imp_weight_cap, importance_sampling_level, cu_seqlens,
+    )  # fmt: skip
     mask = loss_mask != 0
     prox = old_logprobs if proximal_logprobs is None else proximal_logprobs
     adv = torch.where(mask, advantages, 0).detach()
@@ -358,34 +341,77 @@ def ppo_actor_loss_fn(
     ratio = log_ratio.exp()
 
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    pg_loss, clip_mask, dual_clip_mask = _clipped_surrogate(
+        adv, ratio, eps_clip, high, c_clip, mask
+    )
+    behav_weight, behav_log, behav_mask = _behaviour_weight(
+        prox, old_logprobs, mask, behav_imp_weight_cap
+    )
+    token_loss = torch.where(mask, pg_loss * behav_weight, 0)
+    loss = token_loss.sum() / mask.sum().clamp(min=1)
+    stats = _actor_loss_stats(
+        token_loss, ratio, log_ratio, mask, clip_mask, dual_clip_mask, behav_weight, behav_log,
+        behav_mask,
+    )  # fmt: skip
+    return loss, stats
+
+
+def _check_actor_loss_args(tensors, eps_clip, eps_clip_higher, c_clip, cap, level, cu_seqlens):
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    if not eps_clip > 0 or (eps_clip_higher is not None and not eps_clip_higher > 0):
+        raise ValueError(f"eps_clip/eps_clip_higher must be > 0, got {eps_clip}, {eps_clip_higher}")
+    if c_clip is not None and not c_clip > 1:
+        raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"behav_imp_weight_cap must be > 0, got {cap}")
+    if cu_seqlens is not None and tensors[0].ndim != 1:
+        raise ValueError("cu_seqlens is only for packed 1-D inputs")
+    shapes = {tuple(t.shape) for t in tensors if t is not None}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"logprobs, old/proximal logprobs, advantages, loss_mask shapes differ: {shapes}"
+        )
+
+
+def _clipped_surrogate(adv, ratio, eps_clip, eps_high, c_clip, mask):
+    """Per-token PPO loss max(-A r, -A clip(r)), dual-clipped for A < 0; and which tokens each
+    clip decided."""
     pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    pg_loss2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     clip_mask = (pg_loss2 > pg_loss1).detach() & mask
     pg_loss = torch.where(clip_mask, pg_loss2, pg_loss1)
-    if c_clip is not None:
-        pg_loss3 = -adv * c_clip
-        dual_clip_mask = ((adv < 0) & (pg_loss > pg_loss3)).detach() & mask
-        pg_loss = torch.where(dual_clip_mask, pg_loss3, pg_loss)
-    else:
-        dual_clip_mask = torch.zeros_like(mask)
+    if c_clip is None:
+        return pg_loss, clip_mask, torch.zeros_like(mask)
+    pg_loss3 = -adv * c_clip
+    dual_clip_mask = ((adv < 0) & (pg_loss > pg_loss3)).detach() & mask
+    return torch.where(dual_clip_mask, pg_loss3, pg_loss), clip_mask, dual_clip_mask
 
+
+def _behaviour_weight(prox, old_logprobs, mask, cap):
+    """w_t = exp(log pi_prox - log pi_behav), detached, 0 where over `cap`; (w, log w, kept)."""
     behav_log = torch.where(mask, prox - old_logprobs, 0).detach()
     behav_weight = behav_log.exp()
-    behav_mask = mask
-    if behav_imp_weight_cap is not None:
-        behav_mask = mask & (behav_weight <= behav_imp_weight_cap)
-    behav_weight = torch.where(behav_mask, behav_weight, 0)
-    behav_log = torch.where(behav_mask, behav_log, 0)
+    behav_mask = mask if cap is None else mask & (behav_weight <= cap)
+    return (
+        torch.where(behav_mask, behav_weight, 0),
+        torch.where(behav_mask, behav_log, 0),
+        behav_mask,
+    )
 
-    token_loss = torch.where(mask, pg_loss * behav_weight, 0)
+
+def _actor_loss_stats(
+    token_loss, ratio, log_ratio, mask, clip_mask, dual_clip_mask, behav_weight, behav_log,
+    behav_mask,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Detached per-token tensors (0 off the mask) and scalar ratios / means for logging."""
     n_tokens = mask.sum()
-    loss = token_loss.sum() / n_tokens.clamp(min=1)
 
     def ratio_of(b):
         return b.sum() / n_tokens.clamp(min=1)
 
     approx_kl = torch.where(mask, log_ratio, 0).detach()
-    stats = dict(
+    return dict(
         loss=token_loss.detach(),
         importance_weight=torch.where(mask, ratio, 0).detach(),
         approx_kl=approx_kl,
@@ -403,7 +429,6 @@ def ppo_actor_loss_fn(
         behave_imp_weight_mean=masked_mean(behav_weight, behav_mask),
         behave_approx_kl_mean=masked_mean(behav_log, behav_mask),
     )
-    return loss, stats
 
 
 def ppo_critic_loss_fn(
