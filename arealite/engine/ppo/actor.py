@@ -96,23 +96,7 @@ class PPOActor:
         loss_mask = data["loss_mask"].bool() & data["attention_mask"].bool()
         raw = rewards
         stats = {"reward_raw": masked_mean(rewards, None, all_reduce=True).item()}
-
-        rewards = shape_rewards(rewards, cfg.reward_scaling, cfg.reward_bias, cfg.reward_clip)
-        if cfg.overlong_reward_penalty:
-            if not self.max_response_len:
-                raise ValueError(
-                    "actor.overlong_reward_penalty needs the rollout's max_new_tokens: pass "
-                    "max_response_len= to the actor"
-                )
-            rewards = overlong_penalty(
-                rewards,
-                loss_mask.sum(1),
-                self.max_response_len,
-                cfg.overlong_tokens,
-                cfg.overlong_penalty_factor,
-            )
-        if cfg.mask_no_eos_with_zero:
-            rewards = torch.where(self._no_eos(data), 0.0, rewards)
+        rewards = self._shape_rewards(data, rewards, loss_mask)
         if cfg.dynamic_sampling:
             keep = dynamic_sampling_mask(raw, cfg.group_size).repeat_interleave(cfg.group_size)
             loss_mask &= keep[:, None]
@@ -144,6 +128,29 @@ class PPOActor:
         stats["advantages"] = masked_mean(adv, loss_mask, all_reduce=True).item()
         stats["kl_reward"] = masked_mean(kl_rewards, loss_mask, all_reduce=True).item()
         return stats
+
+    def _shape_rewards(
+        self, data: TensorDict, rewards: torch.Tensor, loss_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Scale / bias / clip, then the DAPO overlong penalty, then 0 for truncated answers."""
+        cfg = self.config
+        rewards = shape_rewards(rewards, cfg.reward_scaling, cfg.reward_bias, cfg.reward_clip)
+        if cfg.overlong_reward_penalty:
+            if not self.max_response_len:
+                raise ValueError(
+                    "actor.overlong_reward_penalty needs the rollout's max_new_tokens: pass "
+                    "max_response_len= to the actor"
+                )
+            rewards = overlong_penalty(
+                rewards,
+                loss_mask.sum(1),
+                self.max_response_len,
+                cfg.overlong_tokens,
+                cfg.overlong_penalty_factor,
+            )
+        if cfg.mask_no_eos_with_zero:
+            rewards = torch.where(self._no_eos(data), 0.0, rewards)
+        return rewards
 
     def _no_eos(self, data: TensorDict) -> torch.Tensor:
         """True for truncated sequences: `seq_no_eos_mask` from the rollout if given, else
