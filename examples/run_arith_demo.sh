@@ -14,12 +14,12 @@ if [ ! -f "$RUN/tiny_model/config.json" ]; then
 fi
 
 echo "== 1/2 SFT warm start (examples/configs/arith_sft.yaml)"
-$PY -m arealite.launcher.local examples/arith_sft.py --config examples/configs/arith_sft.yaml \
+$PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \
   cluster.fileroot="$RUN" model.path="$RUN/tiny_model"
 SFT_MODEL=$(ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ | tail -n 1)
 
 echo "== 2/2 GRPO from $SFT_MODEL (examples/configs/arith_grpo.yaml)"
-$PY -m arealite.launcher.local examples/arith_grpo.py --config examples/configs/arith_grpo.yaml \
+$PY -m arealite.launcher.local examples/grpo.py --config examples/configs/arith_grpo.yaml \
   cluster.fileroot="$RUN" actor.path="$SFT_MODEL"
 
 GRPO_DIR="$RUN/arith-grpo/demo"
