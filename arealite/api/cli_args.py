@@ -26,6 +26,7 @@ from arealite.api.launch_config import (
     ServerConfig,
     SlurmConfig,
 )
+from arealite.api.lora_config import LoRAConfig
 from arealite.api.presets import ACTOR_PRESETS, PresetName
 from arealite.api.reward_api import reward_specs
 
@@ -154,6 +155,7 @@ class TrainEngineConfig(ConfigBase):
         default_factory=OptimizerConfig, metadata=_help("null for forward-only (reference) models.")
     )
     is_critic: bool = field(default=False, metadata=_help("Add a scalar value head."))
+    lora: Optional[LoRAConfig] = field(default=None, metadata=_help("Train LoRA adapters only."))
     weight_update_bucket_mb: int = field(
         default=256, metadata=_help("Bucket size for gathering / broadcasting weights.")
     )

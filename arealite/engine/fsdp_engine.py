@@ -20,6 +20,7 @@ from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
 from arealite.engine.base_hf_engine import BaseHFEngine, logger
 from arealite.engine.hf_model import load_hf_model
+from arealite.engine.lora import adapter_weights, apply_lora, merge_lora_weights
 from arealite.engine.optimizer import build_optimizer
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
@@ -61,6 +62,8 @@ class FSDPEngine(BaseHFEngine):
                 self.config.fsdp.param_dtype,
             )
         model = load_hf_model(self.config)
+        if self.config.lora is not None:  # adapters first: FSDP2 then wraps the PEFT model
+            model = apply_lora(model, self.config.lora)
         fs = self.config.fsdp
         self.model = apply_fsdp2(
             model,
@@ -120,14 +123,33 @@ class FSDPEngine(BaseHFEngine):
             return
         with atomic_dir(path) as tmp:
             copy_non_weight_files(base_model_path or self.config.path, tmp)
-            shards = (_to_original_names(self.model, b) for b in gathered)
-            write_safetensors_shards(shards, len(buckets), tmp)
+            if self.config.lora is not None:  # one merged shard: A, B and W may sit apart
+                full = {k: v for b in gathered for k, v in b.items()}
+                write_safetensors_shards([merge_lora_weights(full, self.config.lora)], 1, tmp)
+            else:
+                shards = (_to_original_names(self.model, b) for b in gathered)
+                write_safetensors_shards(shards, len(buckets), tmp)
             self.model.config.save_pretrained(tmp)
             gen_cfg = getattr(self.model, "generation_config", None)
             if gen_cfg is not None and not self.config.is_critic:
                 gen_cfg.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+        du.barrier()
+
+    def save_adapter(self, path: str) -> None:
+        """The LoRA adapter in PEFT format (rank 0 writes; a collective)."""
+        from safetensors.torch import save_file
+
+        if self.config.lora is None:
+            raise ValueError("save_adapter: this engine has no LoRA adapters (config.lora)")
+        buckets = plan_buckets(self.model, self._bucket_bytes())
+        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=du.is_main())
+        full = {k: v for b in gathered for k, v in b.items() if ".lora_" in k}
+        if du.is_main():
+            with atomic_dir(path) as tmp:
+                save_file(adapter_weights(full), os.path.join(tmp, "adapter_model.safetensors"))
+                self.model.peft_config["default"].save_pretrained(tmp)
         du.barrier()
 
     def _load_hf(self, path: str) -> None:
