@@ -101,14 +101,7 @@ class ServerMetrics:
             metric(
                 "max_batch_size", "gauge", "Largest step batch seen.", [("", self.max_batch_size)]
             )
-            cumulative, buckets = 0, []
-            for bound, count in zip((*BATCH_BUCKETS, "+Inf"), self.batch_hist):
-                cumulative += count
-                buckets.append((f'_bucket{{le="{bound}"}}', cumulative))
-            buckets += [("_sum", self.batch_sum), ("_count", self.decode_steps)]
-            lines.append("# HELP arealite_step_batch_size Rows per batched step.")
-            lines.append("# TYPE arealite_step_batch_size histogram")
-            lines.extend(f"arealite_step_batch_size{suffix} {v}" for suffix, v in buckets)
+            lines.extend(self._batch_histogram())
             metric(
                 "weight_version",
                 "gauge",
@@ -120,3 +113,16 @@ class ServerMetrics:
                 "start_time_seconds", "gauge", "Unix time the server started.", [("", self.started)]
             )
             return "\n".join(lines) + "\n"
+
+    def _batch_histogram(self) -> list[str]:
+        """The step batch-size histogram (cumulative buckets, sum, count)."""
+        cumulative, buckets = 0, []
+        for bound, count in zip((*BATCH_BUCKETS, "+Inf"), self.batch_hist):
+            cumulative += count
+            buckets.append((f'_bucket{{le="{bound}"}}', cumulative))
+        buckets += [("_sum", self.batch_sum), ("_count", self.decode_steps)]
+        return [
+            "# HELP arealite_step_batch_size Rows per batched step.",
+            "# TYPE arealite_step_batch_size histogram",
+            *(f"arealite_step_batch_size{suffix} {v}" for suffix, v in buckets),
+        ]
