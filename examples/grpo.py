@@ -28,6 +28,7 @@ from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from arealite.dataset import default_reward, is_vision_dataset, load_rows
 from arealite.engine import make_remote_engine
 from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.trainer.evaluator import Evaluator
@@ -129,6 +130,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     if config.ref is not None:
         ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
         ref.initialize(None, ft_spec)
+    critic = None  # PPO's value model: trained here, never sent to the servers
+    if config.critic is not None:
+        critic = FSDPPPOCritic(config.critic)
+        critic.initialize(None, ft_spec)
     rollout = make_remote_engine(config.allocation.gen_backend, config.rollout)
     rollout.initialize()
     executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
@@ -150,6 +155,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         "model": actor, "dataloader": train_loader, "rollout": executor, "saver": saver,
         "evaluator": evaluator, "workflow": workflow,  # its reward counters continue
     }  # fmt: skip
+    if critic is not None:
+        states["critic"] = critic
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
     start = recover.load()
     if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
@@ -185,9 +192,14 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
 
         # 3. Advantages and the PPO update.
         with stats_tracker.record_timing("train_step"):
+            if critic is not None:  # values before the update feed GAE and anchor the clip
+                batch["values"] = critic.compute_values(batch)
             adv_stats = actor.compute_advantages(batch)
             stats = actor.ppo_update(batch)
             actor.step_lr_scheduler()
+            if critic is not None:
+                stats.update({f"ppo_critic/{k}": v for k, v in critic.ppo_update(batch).items()})
+                critic.step_lr_scheduler()
 
         # 4. Weight sync: pause new episodes, publish, reload on the servers, resume.
         with stats_tracker.record_timing("update_weights"):
@@ -231,8 +243,9 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         ex.destroy()
         ex.engine.destroy()
     actor.destroy()
-    if ref is not None:
-        ref.destroy()
+    for engine in (ref, critic):
+        if engine is not None:
+            engine.destroy()
 
 
 if __name__ == "__main__":

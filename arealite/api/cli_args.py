@@ -499,6 +499,13 @@ class GRPOConfig(BaseExperimentConfig):
                 f"gconfig.n_samples ({self.gconfig.n_samples}) must equal actor.group_size "
                 f"({self.actor.group_size}): advantages are normalised per group of samples"
             )
+        if self.actor.preset == "ppo" and self.critic is None:
+            raise ConfigError("actor.preset=ppo needs a value model: set critic.path")
+        if self.critic is not None and self.actor.group_reward_mean_level == "group":
+            raise ConfigError(
+                f"critic is set but actor.preset={self.actor.preset!r} uses a group-mean "
+                "baseline, not values: drop critic or use preset ppo"
+            )
         if self.actor.kl_ctl > 0 and self.ref is None:
             raise ConfigError("actor.kl_ctl > 0 needs a reference model: set ref.path")
         if not self.async_training and self.rollout.max_head_offpolicyness != 0:
