@@ -82,30 +82,36 @@ async def _errors(request: web.Request, handler):
         return _error(502, f"generation failed: {type(e).__name__}: {e}", None)
 
 
-def add_routes(app: web.Application, proxy: SessionHost) -> None:
-    app.middlewares.append(_errors)
+class ProxyRoutes:
+    """The proxy's HTTP handlers over its sessions (one method a route)."""
 
-    def session(request: web.Request):
-        return proxy.session(request.match_info["sid"], request.headers.get("Authorization", ""))
+    def __init__(self, proxy: SessionHost):
+        self.proxy = proxy
 
-    async def start_session(request: web.Request) -> web.Response:
-        if proxy.api_key and not hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), f"Bearer {proxy.api_key}".encode()
+    def session(self, request: web.Request):
+        return self.proxy.session(
+            request.match_info["sid"], request.headers.get("Authorization", "")
+        )
+
+    async def start_session(self, request: web.Request) -> web.Response:
+        if self.proxy.api_key and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(),
+            f"Bearer {self.proxy.api_key}".encode(),
         ):
             return _error(401, "wrong or missing proxy key (Bearer <api_key>)")
         wait = (await _json(request)).get("wait", 30)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
             raise ChatRequestError("wait", "seconds to wait for a task, in [0, 3600]")
-        s = await proxy.claim(float(wait))
+        s = await self.proxy.claim(float(wait))
         if s is None:
             return web.Response(status=204)
-        base = f"{proxy.url}/sessions/{s.id}/v1"
+        base = f"{self.proxy.url}/sessions/{s.id}/v1"
         return web.json_response(
             {"session_id": s.id, "base_url": base, "api_key": s.key, "data": s.task.data}
         )
 
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        s = session(request)
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        s = self.session(request)
         body = await _json(request)
         result = await s.client.create_chat_completion(**body)
         if not body.get("stream"):
@@ -118,13 +124,13 @@ def add_routes(app: web.Application, proxy: SessionHost) -> None:
         await resp.write_eof()
         return resp
 
-    async def models(request: web.Request) -> web.Response:
-        s = session(request)
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.session(request)
         card = {"id": s.client.model_name, "object": "model", "created": 0, "owned_by": "arealite"}
         return web.json_response({"object": "list", "data": [card]})
 
-    async def set_reward(request: web.Request) -> web.Response:
-        s = session(request)
+    async def set_reward(self, request: web.Request) -> web.Response:
+        s = self.session(request)
         body = await _json(request)
         reward = _reward(body, required=True)
         if body.get("completion_id") is None:
@@ -138,21 +144,25 @@ def add_routes(app: web.Application, proxy: SessionHost) -> None:
         s.rewarded = True
         return web.json_response({"ok": True})
 
-    async def end(request: web.Request) -> web.Response:
-        s = session(request)
+    async def end(self, request: web.Request) -> web.Response:
+        s = self.session(request)
         reward = _reward(await _json(request), required=False)
         if reward is not None:
             if len(s.client.tree) == 0:
                 raise ChatRequestError("reward", "the session made no chat completion to reward")
             s.client.set_final_reward(reward)
             s.rewarded = True
-        samples, status = proxy.end(s)
+        samples, status = self.proxy.end(s)
         if status == "already ended":
             return _error(409, f"session {s.id} already ended")
         return web.json_response({"status": status, "samples": samples})
 
-    app.router.add_post("/v1/sessions", start_session)
-    app.router.add_post("/sessions/{sid}/v1/chat/completions", chat_completions)
-    app.router.add_get("/sessions/{sid}/v1/models", models)
-    app.router.add_post("/sessions/{sid}/v1/reward", set_reward)
-    app.router.add_post("/sessions/{sid}/v1/end", end)
+
+def add_routes(app: web.Application, proxy: SessionHost) -> None:
+    app.middlewares.append(_errors)
+    routes = ProxyRoutes(proxy)
+    app.router.add_post("/v1/sessions", routes.start_session)
+    app.router.add_post("/sessions/{sid}/v1/chat/completions", routes.chat_completions)
+    app.router.add_get("/sessions/{sid}/v1/models", routes.models)
+    app.router.add_post("/sessions/{sid}/v1/reward", routes.set_reward)
+    app.router.add_post("/sessions/{sid}/v1/end", routes.end)
