@@ -119,7 +119,6 @@ def build_tiny_model(
     seed: int = 1,
 ) -> str:
     """Write tokenizer + random Qwen2 causal LM (about 3M parameters by default) into `out_dir`."""
-    import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     tok = build_tiny_tokenizer(out_dir, vocab_size=vocab_size)
@@ -138,10 +137,17 @@ def build_tiny_model(
         rms_norm_eps=1e-6,
         initializer_range=0.02,
     )
+    return save_random_model(AutoModelForCausalLM, config, config, seed, out_dir)
+
+
+def save_random_model(auto_cls, config, text_config, seed: int, out_dir: str) -> str:
+    """A seeded random `auto_cls` model of `config`, saved with its EOS / pad ids."""
+    import torch
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    model = auto_cls.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = text_config.eos_token_id
+    model.generation_config.pad_token_id = text_config.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

@@ -18,7 +18,12 @@ import argparse
 import json
 import os
 
-from arealite.testing.tiny_model import EOS_TOKEN, PAD_TOKEN, build_tiny_tokenizer
+from arealite.testing.tiny_model import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    build_tiny_tokenizer,
+    save_random_model,
+)
 from arealite.utils.vision import load_vlm_processor
 
 # Qwen2-VL's extra special tokens, in its own order; the processor needs <|image_pad|> and
@@ -181,7 +186,6 @@ def build_tiny_vlm(
     vocab_size: int = 1024,
 ) -> str:
     """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`."""
-    import torch
     from transformers import AutoModelForImageTextToText
 
     processor = build_tiny_vlm_processor(out_dir, vocab_size=vocab_size)
@@ -189,12 +193,7 @@ def build_tiny_vlm(
         processor.tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
         vision_depth, vision_embed_dim, vision_heads,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = config.text_config.eos_token_id
-    model.generation_config.pad_token_id = config.text_config.pad_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
-    return out_dir
+    return save_random_model(AutoModelForImageTextToText, config, config.text_config, seed, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
