@@ -76,7 +76,7 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train_dataset.columns.prompt=problem", "train_dataset: .*columns.prompt='problem' but"),
+        ("train_dataset.columns.prompt=problem", "train_dataset.path=.*columns.prompt='problem' but"),
         (
             "reward=[no_such_pkg.rewards:score] reward_weights=null",
             "reward: reward 'no_such_pkg.rewards:score': import",
@@ -85,7 +85,7 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
             "reward=[{rewards}:nothing] reward_weights=null",
             "reward: reward .*my_rewards.py:nothing.* no function",
         ),
-        ("train_dataset.path={tmp}/absent.jsonl", "train_dataset: dataset .*absent.jsonl.*no such"),
+        ("train_dataset.path={tmp}/absent.jsonl", "train_dataset.path=.*absent.jsonl.*no such"),
         (
             "reward=null reward_weights=null",
             "reward is not set and train_dataset.path=.* is not a built-in task",

@@ -90,7 +90,7 @@ def check_task(config) -> None:
         try:
             dataset.check_dataset_config(cfg, kind)
         except (ValueError, TypeError, OSError) as e:
-            raise ConfigError(f"{key}: {e}") from None
+            raise ConfigError(f"{key}.path={cfg.path!r}: {e}") from None
     if kind != "rl" or not hasattr(config, "reward"):
         return
     reward = config.reward or dataset.default_reward(config.train_dataset.path)
