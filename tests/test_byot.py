@@ -76,7 +76,10 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train_dataset.columns.prompt=problem", "train_dataset.path=.*columns.prompt='problem' but"),
+        (
+            "train_dataset.columns.prompt=problem",
+            "train_dataset.path=.*columns.prompt='problem' but",
+        ),
         (
             "reward=[no_such_pkg.rewards:score] reward_weights=null",
             "reward: reward 'no_such_pkg.rewards:score': import",
