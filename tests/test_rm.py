@@ -4,13 +4,14 @@ Bradley-Terry learning on synthetic arithmetic preferences, bad rows rejected.""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from _torchrun_fsdp import engine_config
 from transformers import AutoTokenizer
 
-from arealite.api.cli_args import ConfigError, OptimizerConfig, load_expr_config
+from arealite.api.cli_args import ConfigError, OptimizerConfig, SFTConfig, load_expr_config
 from arealite.api.rm_config import RMConfig
 from arealite.engine.rm.preference_data import (
     PreferenceFormatError,
@@ -19,6 +20,7 @@ from arealite.engine.rm.preference_data import (
     read_preference_rows,
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
+from arealite.launcher.preflight import load_and_check
 from arealite.utils.data import pad_sequences_to_tensors
 
 
@@ -97,3 +99,41 @@ def test_rm_config_checks(tiny_model_dir):
         load_expr_config(base + ["train_dataset.path=data.parquet"], RMConfig)
     with pytest.raises(ConfigError, match="train-only"):
         load_expr_config(base + ["allocation_mode=local.d1p1t1+d1p1t1"], RMConfig)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RM_YAML = os.path.join(REPO, "examples", "configs", "arith_rm.yaml")
+
+
+def test_launcher_preflight_takes_preference_data_for_a_reward_model_run(tmp_path, tiny_model_dir):
+    """A train-only config whose data are preference pairs is a reward-model run (not SFT)."""
+    argv = ["examples/rm.py", "--config", RM_YAML, f"model.path={tiny_model_dir}"]
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        _, _, config = load_and_check(argv)
+        assert isinstance(config, RMConfig)
+        path = tmp_path / "prefs.jsonl"
+        rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}]
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        _, _, config = load_and_check(argv + [f"train_dataset.path={path}"])
+        assert isinstance(config, RMConfig)
+        rows.append({"messages": [{"role": "user", "content": "2+2="}], "chosen": "4"})
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        with pytest.raises(
+            ConfigError, match=r"train_dataset: .*row 1 is missing field 'rejected'"
+        ):
+            load_and_check(argv + [f"train_dataset.path={path}"])
+        with pytest.raises(ConfigError, match=r"valid_dataset.path='nope.jsonl': no such file"):
+            load_and_check(argv + ["valid_dataset.path=nope.jsonl"])
+        # SFT data with the same train-only mode is still an SFT run
+        sft = os.path.join(REPO, "examples", "configs", "arith_sft.yaml")
+        _, _, config = load_and_check(
+            ["examples/sft.py", "--config", sft, f"model.path={tiny_model_dir}"]
+        )
+        assert type(config) is SFTConfig
+    finally:
+        os.chdir(cwd)

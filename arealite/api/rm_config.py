@@ -3,12 +3,67 @@ at its size limit; imports it, never the reverse."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from arealite.api.cli_args import BaseExperimentConfig, TrainEngineConfig
 from arealite.api.config_loader import ConfigError, help_text
 
 BUILTIN_PREFERENCES = "arith_preferences"
+PAIR_FIELDS = ("chosen", "rejected")
+
+
+class PreferenceFormatError(ValueError):
+    """A preference row lacks a field (the message names the file, row and field)."""
+
+
+def read_preference_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a jsonl file, each checked for a prompt (or messages), chosen and rejected. Here
+    (not in the engine) because the launcher's preflight checks the file before anything starts."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PreferenceFormatError(f"{path}: row {i} is not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise PreferenceFormatError(f"{path}: row {i} is not a JSON object")
+            check_preference_row(row, i, path)
+            rows.append(row)
+    if not rows:
+        raise PreferenceFormatError(f"{path}: no preference rows")
+    return rows
+
+
+def check_preference_row(row: dict, index: int, source: str) -> None:
+    if row.get("messages") is None and row.get("prompt") is None:
+        raise PreferenceFormatError(f"{source}: row {index} has neither 'prompt' nor 'messages'")
+    for key in PAIR_FIELDS:
+        if not isinstance(row.get(key), str):
+            raise PreferenceFormatError(
+                f"{source}: row {index} is missing field {key!r} (a string; its fields: "
+                f"{sorted(row)})"
+            )
+
+
+def is_preference_data(path: str) -> bool:
+    """The built-in preference task, or a jsonl whose first row has `chosen` and `rejected`:
+    how the launcher tells a reward-model run from an SFT run (both are train-only)."""
+    if path == BUILTIN_PREFERENCES:
+        return True
+    if not path.endswith(".jsonl"):
+        return False
+    try:
+        with open(path) as f:
+            first = next((line for line in f if line.strip()), "")
+        row = json.loads(first)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(row, dict) and all(k in row for k in PAIR_FIELDS)
 
 
 @dataclass

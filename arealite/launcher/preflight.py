@@ -11,6 +11,13 @@ from omegaconf import OmegaConf
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig, load_expr_config
 from arealite.api.reward_api import RewardSpecError, resolve_reward, reward_specs
+from arealite.api.rm_config import (
+    BUILTIN_PREFERENCES,
+    PreferenceFormatError,
+    RMConfig,
+    is_preference_data,
+    read_preference_rows,
+)
 
 # "org/name" (a hub id) rather than a filesystem path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -43,17 +50,25 @@ def resolve_config_cls(script_args: list[str], cls_path: str | None) -> type:
             return getattr(importlib.import_module(mod), name)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"--config-cls {cls_path!r}: {e}") from None
-    mode = None
-    for a in script_args:
-        if a.startswith("allocation_mode="):
-            mode = a.split("=", 1)[1]
-    if mode is None and "--config" in script_args:
-        path = script_args[script_args.index("--config") + 1]
-        if os.path.isfile(path):
-            mode = OmegaConf.select(OmegaConf.load(path), "allocation_mode", default=None)
+    mode = _config_value(script_args, "allocation_mode")
     if mode is not None and "+" not in str(mode):
+        # Train-only: a reward model when the training data are preference pairs, else SFT.
+        if is_preference_data(str(_config_value(script_args, "train_dataset.path") or "")):
+            return RMConfig
         return SFTConfig
     return GRPOConfig
+
+
+def _config_value(script_args: list[str], key: str):
+    """`key` from a `key=value` override, else from the --config YAML (None when unset)."""
+    for a in reversed(script_args):
+        if a.startswith(f"{key}="):
+            return a.split("=", 1)[1]
+    if "--config" in script_args:
+        path = script_args[script_args.index("--config") + 1]
+        if os.path.isfile(path):
+            return OmegaConf.select(OmegaConf.load(path), key, default=None)
+    return None
 
 
 def _check_model_path(key: str, path: str) -> None:
@@ -81,6 +96,8 @@ def _dataset_layer():
 def check_task(config) -> None:
     """The datasets open with the columns the run needs, and every reward imports with the
     contract's signature (arealite/api/reward_api.py), before any server starts."""
+    if isinstance(config, RMConfig):
+        return check_preferences(config)
     kind = "sft" if isinstance(config, SFTConfig) else "rl"
     dataset = _dataset_layer()
     for key in ("train_dataset", "valid_dataset"):
@@ -104,6 +121,20 @@ def check_task(config) -> None:
             resolve_reward(spec)
     except RewardSpecError as e:
         raise ConfigError(f"reward: {e}") from None
+
+
+def check_preferences(config: RMConfig) -> None:
+    """Reward-model data: every jsonl row has a prompt (or messages), chosen and rejected."""
+    for key in ("train_dataset", "valid_dataset"):
+        cfg = getattr(config, key, None)
+        if cfg is None or not cfg.path or cfg.path == BUILTIN_PREFERENCES:
+            continue
+        if not os.path.isfile(cfg.path):
+            raise ConfigError(f"{key}.path={cfg.path!r}: no such file")
+        try:
+            read_preference_rows(cfg.path)
+        except PreferenceFormatError as e:  # the message names the file and row
+            raise ConfigError(f"{key}: {e}") from None
 
 
 def check_resources(config, n_gpus_available: int | None = None) -> None:

@@ -18,41 +18,13 @@ from typing import Any
 
 import torch
 
+from arealite.api.rm_config import (  # noqa: F401  the row format is the contract; re-exported
+    PAIR_FIELDS,
+    PreferenceFormatError,
+    check_preference_row,
+    read_preference_rows,
+)
 from arealite.utils.data import pad_sequences_to_tensors
-
-PAIR_FIELDS = ("chosen", "rejected")
-
-
-class PreferenceFormatError(ValueError):
-    """A preference row lacks a field (the message names the file, row and field)."""
-
-
-def read_preference_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a jsonl file, each checked for a prompt (or messages), chosen and rejected."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise PreferenceFormatError(f"{path}: row {i} is not a JSON object")
-            check_preference_row(row, i, path)
-            rows.append(row)
-    if not rows:
-        raise PreferenceFormatError(f"{path}: no preference rows")
-    return rows
-
-
-def check_preference_row(row: dict, index: int, source: str) -> None:
-    if row.get("messages") is None and row.get("prompt") is None:
-        raise PreferenceFormatError(f"{source}: row {index} has neither 'prompt' nor 'messages'")
-    for key in PAIR_FIELDS:
-        if not isinstance(row.get(key), str):
-            raise PreferenceFormatError(
-                f"{source}: row {index} is missing field {key!r} (a string; its fields: "
-                f"{sorted(row)})"
-            )
 
 
 def prompt_ids(tokenizer: Any, row: dict) -> list[int]:
