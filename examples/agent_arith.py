@@ -64,4 +64,4 @@ if __name__ == "__main__":
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
-    grpo_main(sys.argv[1:], reward_fn=None, workflow_cls=make_workflow)
+    grpo_main(sys.argv[1:], workflow_cls=make_workflow)

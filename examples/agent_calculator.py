@@ -1,0 +1,199 @@
+"""A tool-using agent trained in process: multi-digit arithmetic (`347*28=`) that a tiny model
+cannot compute, but can answer by calling a `calculator` tool and copying its result.
+
+The agent (`solve`) is written against the `openai` SDK's interface and runs on arealite's
+`TrainingOpenAIClient` through `AgentWorkflow` (no HTTP). Two phases:
+
+    python examples/agent_calculator.py sft --base <tiny model> --out <dir> [--steps 60]
+    python -m arealite.launcher.local examples/agent_calculator.py \
+        --config examples/configs/agent_calculator.yaml actor.path=<dir>
+
+`sft` writes synthetic tool traces by running the same agent against a scripted teacher (so the
+tokens are exactly those the client builds during RL) and fits them briefly (stopped early on
+purpose); the second command is GRPO (`grpo.py`'s loop) on the agent. Held-out success is the
+greedy agent's final answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import runpy
+import shutil
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression of integers with + - *.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+_EXPRESSION = re.compile(r"\s*\d+(\s*[-+*]\s*\d+)*\s*")
+
+
+def calculator(expression: str) -> str:
+    """The tool: integers with + - * only (never `eval` of arbitrary text)."""
+    if not isinstance(expression, str) or not _EXPRESSION.fullmatch(expression):
+        return "error: expected integers joined by + - *"
+    tokens = re.findall(r"\d+|[-+*]", expression)
+    terms, sign, term = [], 1, int(tokens[0])
+    for op, num in zip(tokens[1::2], tokens[2::2]):
+        if op == "*":
+            term *= int(num)
+        else:
+            terms.append(sign * term)
+            sign, term = (1 if op == "+" else -1), int(num)
+    return str(sum(terms) + sign * term)
+
+
+def last_integer(text: str | None) -> int | None:
+    found = re.findall(r"-?\d+", text or "")
+    return int(found[-1]) if found else None
+
+
+async def solve(client, row: dict) -> float:
+    """Ask with the calculator available; run the tool calls; 1.0 if the final answer is right."""
+    messages = list(row["messages"])
+    for _ in range(2):  # a tool round, then the answer
+        r = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR]
+        )
+        msg = r.choices[0].message
+        if not msg.tool_calls:
+            return float(last_integer(msg.content) == int(row["answer"]))
+        messages.append(msg)
+        for call in msg.tool_calls:
+            try:
+                expression = json.loads(call.function.arguments).get("expression")
+            except (json.JSONDecodeError, AttributeError):
+                expression = None
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": calculator(expression)}
+            )
+    return 0.0
+
+
+# ---- SFT warm start ---------------------------------------------------------------------------
+class ScriptedTeacher:
+    """An engine that answers like a perfect agent: a calculator call for the question, then
+    the tool's result. Running `solve` on it through a TrainingOpenAIClient gives traces
+    tokenized exactly as the client tokenizes them during RL."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def agenerate(self, req):
+        from arealite.api.io_struct import ModelResponse
+
+        text = self.tokenizer.decode(req.input_ids)
+        last_user = text.rsplit("<|im_start|>user\n", 1)[-1]
+        if "<tool_response>" in last_user:
+            reply = last_user.split("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+        else:
+            question = last_user.split("<|im_end|>")[0].rstrip("=")
+            arguments = json.dumps({"expression": question})
+            reply = f'<tool_call>\n{{"name": "calculator", "arguments": {arguments}}}\n</tool_call>'
+        ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=ids,
+                             output_logprobs=[0.0] * len(ids), output_versions=[0] * len(ids))  # fmt: skip
+
+
+def tool_traces(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of the teacher's conversation on each row."""
+    from arealite.agent import TrainingOpenAIClient
+    from arealite.api.io_struct import GenerationHyperparameters
+
+    async def one(row):
+        client = TrainingOpenAIClient(ScriptedTeacher(tokenizer), tokenizer,
+                                      GenerationHyperparameters(max_new_tokens=64))  # fmt: skip
+        assert await solve(client, row) == 1.0, row
+        td = client.export_samples("concat")
+        n = int(td["attention_mask"][0].sum())
+        return td["input_ids"][0, :n].tolist(), td["loss_mask"][0, :n].tolist()
+
+    async def all_rows():
+        return await asyncio.gather(*(one(r) for r in rows))
+
+    return asyncio.run(all_rows())
+
+
+def sft(base: str, out: str, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Copy `base`, install a tool-aware chat template, fit `steps` batches of tool traces."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from arealite.agent import install_chat_template
+    from arealite.dataset.arith import generate_arith_problems
+
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    install_chat_template(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    problems = generate_arith_problems(steps * batch_size, seed, "train", **TASK)
+    rows = [{"messages": [{"role": "user", "content": f"{e}="}], "answer": str(v)}
+            for e, v in problems]  # fmt: skip
+    traces = tool_traces(tokenizer, rows)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        batch = traces[step * batch_size : (step + 1) * batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for i, (x, mask) in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            labels[i, : len(x)] = torch.where(torch.tensor(mask).bool(), torch.tensor(x), -100)
+        loss = model(input_ids=ids, labels=labels).loss  # right padding: no mask needed
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == steps - 1:
+            print(f"sft step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
+    model.save_pretrained(out, safe_serialization=True)
+    print(f"tool-trace SFT model: {out}", flush=True)
+
+
+TASK = dict(max_digits=3, n_operands=2, ops="+-*")  # keep in step with agent_calculator.yaml
+
+
+# ---- GRPO -------------------------------------------------------------------------------------
+def make_workflow(reward_fn, gconfig, tokenizer, **_):
+    """The loop's workflow factory (training and greedy evaluation alike)."""
+    from arealite.agent import AgentWorkflow
+
+    return AgentWorkflow(solve, tokenizer, gconfig, export_style="concat")
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    if sys.argv[1:2] == ["sft"]:
+        p = argparse.ArgumentParser(description="SFT warm start on synthetic tool traces")
+        p.add_argument("phase")
+        p.add_argument("--base", required=True, help="model dir (e.g. the tiny model)")
+        p.add_argument("--out", required=True, help="where the warm-started model goes")
+        p.add_argument("--steps", type=int, default=60)
+        p.add_argument("--batch-size", type=int, default=32)
+        p.add_argument("--lr", type=float, default=1e-3)
+        p.add_argument("--seed", type=int, default=1)
+        a = p.parse_args()
+        sft(a.base, a.out, a.steps, a.batch_size, a.lr, a.seed)
+        return
+    grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
+    grpo_main(sys.argv[1:], workflow_cls=make_workflow)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# CPU agent demos, each one command; prints held-out success before and after GRPO.
+#   examples/run_agent_demo.sh arith [RUN_ROOT]       multi-turn agent (openai SDK only) through
+#       the AgentProxy: arithmetic SFT warm start (as in `make demo`), then GRPO
+#   examples/run_agent_demo.sh calculator [RUN_ROOT]  tool-using agent in process (AgentWorkflow):
+#       SFT on synthetic calculator traces, then GRPO
+# Everything goes to <RUN_ROOT>/demo (default runs/demo); the tiny model and SFT are reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEMO=${1:?usage: examples/run_agent_demo.sh arith|calculator [RUN_ROOT]}
+RUN=${2:-runs}/demo
+PY=${PY:-.venv/bin/python}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+
+if [ ! -f "$RUN/tiny_model/config.json" ]; then
+  $PY -m arealite.testing.tiny_model "$RUN/tiny_model"
+fi
+
+case "$DEMO" in
+  arith)
+    if ! ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ >/dev/null 2>&1; then
+      echo "== SFT warm start (examples/configs/arith_sft.yaml)"
+      $PY -m arealite.launcher.local examples/arith_sft.py --config examples/configs/arith_sft.yaml \
+        cluster.fileroot="$RUN" model.path="$RUN/tiny_model"
+    fi
+    MODEL=$(ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ | tail -n 1)
+    echo "== GRPO through the AgentProxy from $MODEL (examples/configs/agent_arith.yaml)"
+    AGENT_MODE=proxy $PY -m arealite.launcher.local examples/agent_arith.py \
+      --config examples/configs/agent_arith.yaml cluster.fileroot="$RUN" actor.path="$MODEL"
+    RUN_DIR="$RUN/agent-arith/demo" ;;
+  calculator)
+    MODEL="$RUN/calc_sft"
+    if [ ! -f "$MODEL/model.safetensors" ]; then
+      echo "== SFT warm start on synthetic calculator traces"
+      $PY examples/agent_calculator.py sft --base "$RUN/tiny_model" --out "$MODEL"
+    fi
+    echo "== GRPO in process from $MODEL (examples/configs/agent_calculator.yaml)"
+    $PY -m arealite.launcher.local examples/agent_calculator.py \
+      --config examples/configs/agent_calculator.yaml cluster.fileroot="$RUN" actor.path="$MODEL"
+    RUN_DIR="$RUN/agent-calculator/demo" ;;
+  *) echo "unknown demo $DEMO (arith | calculator)" >&2; exit 2 ;;
+esac
+
+$PY - "$RUN_DIR" "$(( $(date +%s) - start ))" <<'PYEOF'
+import json, sys
+run_dir, secs = sys.argv[1], int(sys.argv[2])
+records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+before = next(r["eval/accuracy_before_training"] for r in records if r.get("eval/accuracy_before_training") is not None)
+after = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None][-1]
+print(f"\nheld-out success: {before:.1%} before GRPO -> {after:.1%} after "
+      f"({(after - before) * 100:+.1f} points) in {secs // 60}m{secs % 60:02d}s")
+print(f"curves: {run_dir}/curves.png   metrics: {run_dir}/metrics.jsonl")
+PYEOF

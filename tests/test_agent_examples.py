@@ -1,0 +1,43 @@
+"""The agent examples' own pieces (fast; the training runs are `examples/run_agent_demo.sh`):
+the calculator tool, and the SFT traces the scripted teacher writes through the real
+TrainingOpenAIClient (tool call, tool response, answer; loss only on the model's tokens)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import agent_calculator  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [("625-648", "-23"), ("2+3*4-5", "9"), ("347*28", "9716"), (" 12 * 3 ", "36")],
+)
+def test_calculator_evaluates_integer_expressions(expression, value):
+    assert agent_calculator.calculator(expression) == value
+
+
+@pytest.mark.parametrize("bad", ["__import__('os')", "2**99", "1/0", "", None, 7])
+def test_calculator_refuses_anything_else(bad):
+    assert agent_calculator.calculator(bad).startswith("error:")
+
+
+def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
+    from arealite.agent import install_chat_template
+
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, model)
+    install_chat_template(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [{"messages": [{"role": "user", "content": "625-648="}], "answer": "-23"}]
+    ((ids, mask),) = agent_calculator.tool_traces(tok, rows)
+    text, trained = tok.decode(ids), tok.decode([i for i, m in zip(ids, mask) if m])
+    assert '"expression": "625-648"' in text and "<tool_response>\n-23\n</tool_response>" in text
+    assert trained.startswith("<tool_call>") and trained.endswith("-23<|im_end|>")
+    assert "tool_response" not in trained and "625-648=" not in trained
