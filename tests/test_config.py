@@ -84,6 +84,21 @@ def test_impossible_combinations(grpo_yaml, override, needle):
         load_expr_config(["--config", grpo_yaml, override, *extra], GRPOConfig)
 
 
+def test_consumer_batch_size_follows_the_train_batch_or_must_equal_it(grpo_yaml):
+    cfg = load_expr_config(["--config", grpo_yaml, "train_dataset.batch_size=6"], GRPOConfig)
+    assert cfg.rollout.consumer_batch_size == 6  # unset: derived
+    same = ["train_dataset.batch_size=6", "rollout.consumer_batch_size=6"]
+    assert (
+        load_expr_config(["--config", grpo_yaml, *same], GRPOConfig).rollout.consumer_batch_size
+        == 6
+    )
+    with pytest.raises(ConfigError) as e:
+        load_expr_config(["--config", grpo_yaml, "rollout.consumer_batch_size=4"], GRPOConfig)
+    msg = str(e.value)
+    assert "rollout.consumer_batch_size=4" in msg and "train_dataset.batch_size=8" in msg
+    assert "set them equal" in msg
+
+
 def test_presets_apply_under_explicit_values(grpo_yaml):
     cfg = load_expr_config(["--config", grpo_yaml, "actor.preset=dapo"], GRPOConfig)
     assert cfg.actor.eps_clip_higher == 0.28 and cfg.actor.dynamic_sampling

@@ -278,7 +278,13 @@ class InferenceEngineConfig(ConfigBase):
     queue_size: Optional[int] = field(
         default=None, metadata=_help("Bound of the result queue; null = 4 x max concurrency.")
     )
-    consumer_batch_size: int = field(default=1, metadata=_help("Episodes per training batch."))
+    consumer_batch_size: Optional[int] = field(
+        default=None,
+        metadata=_help(
+            "Prompts (groups of gconfig.n_samples episodes) per training batch; null = "
+            "train_dataset.batch_size (if set, it must equal it)."
+        ),
+    )
     max_head_offpolicyness: int = field(
         default=0, metadata=_help("Staleness bound eta; 0 = synchronous RL.")
     )
@@ -292,7 +298,7 @@ class InferenceEngineConfig(ConfigBase):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.consumer_batch_size < 1:
+        if self.consumer_batch_size is not None and self.consumer_batch_size < 1:
             raise ConfigError(
                 f"rollout.consumer_batch_size must be >= 1, got {self.consumer_batch_size}"
             )
@@ -506,6 +512,7 @@ class GRPOConfig(BaseExperimentConfig):
                 f"critic is set but actor.preset={self.actor.preset!r} uses a group-mean "
                 "baseline, not values: drop critic or use preset ppo"
             )
+        self._check_consumer_batch_size()
         if self.actor.kl_ctl > 0 and self.ref is None:
             raise ConfigError("actor.kl_ctl > 0 needs a reference model: set ref.path")
         if not self.async_training and self.rollout.max_head_offpolicyness != 0:
@@ -514,3 +521,17 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if not self.server.model_path:
             self.server.model_path = self.actor.path
+
+    def _check_consumer_batch_size(self) -> None:
+        """One training step consumes one batch of prompts: the rollout side counts it as
+        rollout.consumer_batch_size, the data side as train_dataset.batch_size."""
+        rollout, data = self.rollout, self.train_dataset.batch_size
+        if rollout.consumer_batch_size is None:
+            rollout.consumer_batch_size = data
+        elif rollout.consumer_batch_size != data:
+            raise ConfigError(
+                f"rollout.consumer_batch_size={rollout.consumer_batch_size} but "
+                f"train_dataset.batch_size={data}: a training step consumes one batch of prompts; "
+                "set them equal, or leave rollout.consumer_batch_size unset (it follows "
+                "train_dataset.batch_size)"
+            )
