@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,14 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
         ),
         ("train_dataset.path={tmp}/absent.jsonl", "train_dataset.path=.*absent.jsonl.*no such"),
         (
+            "actor.path={tmp}/not_a_model",
+            r"actor.path='.*not_a_model': the folder has no config.json.*point it at the folder",
+        ),
+        (
+            "rollout.consumer_batch_size=8",
+            r"rollout.consumer_batch_size=8 but train_dataset.batch_size=4.*set them equal",
+        ),
+        (
             "reward=null reward_weights=null",
             "reward is not set and train_dataset.path=.* is not a built-in task",
         ),
@@ -99,6 +108,7 @@ def test_preflight_fails_fast_naming_the_key(tmp_path, tiny_model_dir, override,
     import re
 
     yaml, run_dir = write_task(tmp_path, tiny_model_dir)
+    (tmp_path / "not_a_model").mkdir()  # a folder without config.json
     override = override.format(rewards=tmp_path / "my_rewards.py", tmp=tmp_path)
     rc, out, secs = launch("grpo.py", yaml, *override.split(), timeout=60)
     assert rc != 0 and re.search(message, out), out[-3000:]
@@ -156,3 +166,49 @@ def test_user_messages_jsonl_trains_with_sft(tmp_path, tiny_model_dir):
     assert rc == 0, out[-6000:]
     metrics = os.path.join(tmp_path, "runs", "byot", "sft", "metrics.jsonl")
     assert len(open(metrics).read().splitlines()) == 2
+
+
+def fake_hub_cache(root, repo_id: str, files_from: str | None = None) -> str:
+    """A Hugging Face hub cache under `root` holding `repo_id` (models--org--name/snapshots/<rev>
+    + refs/main), as `hf download` leaves it; returns the snapshot directory."""
+    repo = os.path.join(str(root), "models--" + repo_id.replace("/", "--"))
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    snap = os.path.join(repo, "snapshots", rev)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(rev)
+    if files_from:
+        shutil.copytree(files_from, snap)
+    else:
+        os.makedirs(snap)
+    return snap
+
+
+RESOLVE = """
+import json, sys
+from arealite.launcher.preflight import load_and_check
+from arealite.api.cli_args import ConfigError
+try:
+    _, args, config = load_and_check(sys.argv[1:])
+    print(json.dumps({"args": args, "server": config.server.model_path, "actor": config.actor.path}))
+except ConfigError as e:
+    print("ConfigError:", e)
+"""
+
+
+def test_hub_model_id_is_resolved_once_from_the_offline_cache(tmp_path, tiny_model_dir):
+    """actor.path=org/tiny resolves to the cached snapshot before anything starts; trainer
+    ranks get it as an override and the (embedded) server from the config."""
+    yaml, _ = write_task(tmp_path, "org/tiny")
+    snap = fake_hub_cache(tmp_path / "hub", "org/tiny", files_from=tiny_model_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    argv = ["examples/grpo.py", "--config", yaml]
+    p = subprocess.run([sys.executable, "-c", RESOLVE, *argv], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["actor"] == out["server"] == snap
+    assert f"actor.path={snap}" in out["args"] and f"server.model_path={snap}" in out["args"]
+    p = subprocess.run([sys.executable, "-c", RESOLVE, *argv, "actor.path=org/absent"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "ConfigError: actor.path='org/absent': hub model 'org/absent'" in p.stdout, p.stdout
+    assert "HF_HUB_OFFLINE=1: not in the hub cache" in p.stdout

@@ -71,20 +71,74 @@ def _config_value(script_args: list[str], key: str):
     return None
 
 
-def _check_model_path(key: str, path: str) -> None:
-    if not path or os.path.isdir(path) or _HUB_ID.match(path):
-        return
-    raise ConfigError(f"{key}={path!r}: no such model directory (and not a hub id like org/name)")
+# Config keys naming a model; tokenizer_path may be a tokenizer-only folder (no config.json).
+MODEL_KEYS = ("actor.path", "ref.path", "critic.path", "model.path", "server.model_path")
+TOKENIZER_KEY = "tokenizer_path"
 
 
-def check_paths(config) -> None:
-    """Model paths that must exist locally do (datasets: check_task)."""
-    for key in ("actor", "ref", "critic", "model"):
-        sub = getattr(config, key, None)
-        if sub is not None and getattr(sub, "path", ""):
-            _check_model_path(f"{key}.path", sub.path)
-    if getattr(config, "tokenizer_path", ""):
-        _check_model_path("tokenizer_path", config.tokenizer_path)
+def _get(config, key: str):
+    for part in key.split("."):
+        config = getattr(config, part, None)
+    return config
+
+
+def _set(config, key: str, value: str) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        config = getattr(config, part)
+    setattr(config, leaf, value)
+
+
+def local_model_dir(key: str, path: str, need_config: bool = True) -> str:
+    """The local directory of `key`'s model: `path` itself (checked for config.json), or the
+    snapshot a hub id resolves to, downloaded once (or found in the cache offline)."""
+    if os.path.isdir(path):
+        if need_config and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"{key}={path!r}: the folder has no config.json, so it is not a Hugging Face "
+                "model directory; point it at the folder holding config.json and the weights "
+                "(e.g. the output of save_pretrained)"
+            )
+        return path
+    if not _HUB_ID.match(path):
+        raise ConfigError(
+            f"{key}={path!r}: no such model directory (and not a hub id like org/name)"
+        )
+    return _snapshot(key, path)
+
+
+def _snapshot(key: str, repo_id: str) -> str:
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(repo_id)
+    except Exception as e:  # network, auth, missing repo, offline cache miss: all say the same
+        where = f"HF_HUB_OFFLINE=1: not in the hub cache {constants.HF_HUB_CACHE}" if (
+            constants.HF_HUB_OFFLINE) else "download failed"  # fmt: skip
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(
+            f"{key}={repo_id!r}: hub model {repo_id!r} could not be resolved ({where}; "
+            f"{type(e).__name__}: {first}); download it once (`hf download {repo_id}`) or "
+            "point the key at a local model directory"
+        ) from None
+
+
+def resolve_models(config, script_args: list[str]) -> list[str]:
+    """Check every model path and resolve hub ids once, here: `config` is updated in place
+    (the launcher starts the servers from it) and the returned script args carry the local
+    directories as overrides, so trainer ranks never resolve (or download) again."""
+    resolved: dict[str, str] = {}
+    overrides = []
+    for key in (*MODEL_KEYS, TOKENIZER_KEY):
+        value = _get(config, key)
+        if not value:
+            continue
+        if value not in resolved:
+            resolved[value] = local_model_dir(key, value, need_config=key != TOKENIZER_KEY)
+        if resolved[value] != value:
+            _set(config, key, resolved[value])
+            overrides.append(f"{key}={resolved[value]}")
+    return [*script_args, *overrides]
 
 
 def _dataset_layer():
@@ -161,7 +215,7 @@ def load_and_check(argv: list[str]):
     script, script_args, cls_path = split_launcher_args(argv)
     config_cls = resolve_config_cls(script_args, cls_path)
     config = load_expr_config(script_args, config_cls)
-    check_paths(config)
+    script_args = resolve_models(config, script_args)
     check_task(config)
     return script, script_args, config
 
