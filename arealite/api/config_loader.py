@@ -159,7 +159,11 @@ def load_expr_config(argv: list[str], config_cls: type) -> Any:
     Raises ConfigError naming the key for unknown keys (with the closest valid key), wrong
     types (key, value, expected type), a missing config file, and failed validation.
     """
-    parser = argparse.ArgumentParser(add_help=True)
+    help_section = _help_request(argv)
+    if help_section is not None:
+        print(config_help(config_cls, help_section or None))
+        raise SystemExit(0)
+    parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config", help="YAML config file")
     args, overrides = parser.parse_known_args(argv)
     for o in overrides:
@@ -233,3 +237,83 @@ def _type_error_message(e: ValidationError, config_cls: type) -> str:
 def to_yaml(config: Any) -> str:
     """The resolved config as YAML (written next to every run's logs)."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+def _help_request(argv: list[str]) -> str | None:
+    """None without --help/-h; '' for all sections; the section named after it otherwise."""
+    for i, a in enumerate(argv):
+        if a in ("--help", "-h"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if nxt.startswith("-") or "=" in nxt else nxt
+    return None
+
+
+def _type_name(hint: Any) -> str:
+    """'float', 'int or null', 'one of [token, sequence]' (the allowed values of a Literal)."""
+    allowed = literal_choices(hint)
+    if allowed is not None:
+        return f"one of [{', '.join(map(str, allowed))}]" + (
+            " or null" if type(None) in typing.get_args(hint) else ""
+        )
+    if hint is Any:
+        return "any"
+    return _expected_type(hint)
+
+
+def _default_of(f: dataclasses.Field) -> str:
+    """The default as YAML writes it (null, true, 'text'), or '(required)'."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if value == "???":
+        return "(required)"
+    return {None: "null", True: "true", False: "false"}.get(value, repr(value)) if (
+        value is None or isinstance(value, bool)) else repr(value)  # fmt: skip
+
+
+def _help_lines(cls: type, prefix: str, sections: dict[str, list[str]], section: str) -> None:
+    """Append `key: type = default  help` lines of `cls` to `sections`, one section per
+    top-level sub-config (scalars at the top level go to 'general')."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        key, hint, text = prefix + f.name, hints[f.name], f.metadata.get("help", "")
+        sub = _dataclass_in(hint)
+        if sub is not None:
+            name = section if prefix else f.name
+            optional = " (optional: null unless set)" if f.default is None else ""
+            doc = (sub.__doc__ or "").strip().splitlines()[0] if sub.__doc__ else ""
+            if not prefix:
+                sections.setdefault(name, []).append(f"[{f.name}]{optional} {doc} {text}".rstrip())
+            else:
+                sections[name].append(f"  {key}:{optional} {text or doc}".rstrip())
+            _help_lines(sub, key + ".", sections, name)
+            continue
+        line = f"  {key}: {_type_name(hint)} = {_default_of(f)}"
+        sections.setdefault(section, []).append(f"{line}\n      {text}" if text else line)
+
+
+def config_help(config_cls: type, section: str | None = None) -> str:
+    """Every key of `config_cls` with type, default and help, grouped by section (`--help`);
+    only `section` (e.g. 'actor') when given."""
+    sections: dict[str, list[str]] = {"general": ["[general]"]}
+    _help_lines(config_cls, "", sections, "general")
+    if section is not None:
+        if section not in sections:
+            raise ConfigError(
+                f"--help {section}: no such section of {config_cls.__name__}; sections: "
+                f"{', '.join(sections)}"
+            )
+        return "\n".join(sections[section])
+    head = (
+        f"{config_cls.__name__}: --config FILE.yaml [key=value ...]; `--help SECTION` shows one "
+        f"section ({', '.join(sections)})"
+    )
+    return "\n\n".join([head, *("\n".join(lines) for lines in sections.values())])

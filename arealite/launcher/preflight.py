@@ -23,12 +23,16 @@ from arealite.api.rm_config import (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+USAGE = "usage: python -m arealite.launcher.<local|ray|slurm> SCRIPT --config YAML [key=value ...]"
+
+
 def split_launcher_args(argv: list[str]) -> tuple[str, list[str], str | None]:
     """`SCRIPT [--config-cls mod:Cls] --config YAML k=v ...` -> (script, script_args, cls)."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n`SCRIPT --help [SECTION]` lists the config keys (type, default, help).")
+        raise SystemExit(0)
     if not argv or argv[0].startswith("-"):
-        raise ConfigError(
-            "usage: python -m arealite.launcher.<local|ray|slurm> SCRIPT --config YAML [key=value ...]"
-        )
+        raise ConfigError(USAGE)
     script, rest = argv[0], list(argv[1:])
     if not os.path.isfile(script):
         raise ConfigError(f"Training script not found: {script}")
