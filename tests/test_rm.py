@@ -3,8 +3,12 @@ Bradley-Terry learning on synthetic arithmetic preferences, bad rows rejected.""
 
 from __future__ import annotations
 
+import glob
 import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,11 +16,13 @@ from _torchrun_fsdp import engine_config
 from transformers import AutoTokenizer
 
 from arealite.api.cli_args import ConfigError, OptimizerConfig, SFTConfig, load_expr_config
+from arealite.api.reward_api import RewardSpecError, resolve_reward
 from arealite.api.rm_config import RMConfig
 from arealite.engine.rm.preference_data import (
     PreferenceFormatError,
     arith_preferences,
     collate_pairs,
+    prompt_ids,
     read_preference_rows,
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
@@ -137,3 +143,45 @@ def test_launcher_preflight_takes_preference_data_for_a_reward_model_run(tmp_pat
         assert type(config) is SFTConfig
     finally:
         os.chdir(cwd)
+
+
+def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
+    cmd = [sys.executable, "-m", "arealite.launcher.local", f"examples/{script}",
+           "--config", yaml, *overrides]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return p.stdout + p.stderr
+
+
+def test_reward_spec_naming_a_directory_needs_a_reward_model(tmp_path, tiny_model_dir):
+    with pytest.raises(RewardSpecError, match="without config.json"):
+        resolve_reward(str(tmp_path))
+    with pytest.raises(RewardSpecError, match="not a reward model"):
+        resolve_reward(tiny_model_dir)  # a causal LM, not a 1-label scorer
+
+
+@pytest.mark.integration
+def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_dir):
+    """examples/rm.py through the launcher, then GRPO with `reward:` naming its checkpoint: the
+    reward worker scores with it (scores differ per sample, no reward errors)."""
+    root = str(tmp_path / "runs")
+    launch("rm.py", RM_YAML, f"model.path={tiny_model_dir}", f"cluster.fileroot={root}",
+           "total_train_steps=20", "valid_dataset.options.size=64")  # fmt: skip
+    (rm_dir,) = glob.glob(f"{root}/arith-rm/demo/checkpoints/final/*/")
+    scorer = resolve_reward(rm_dir)
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    prompt = prompt_ids(tok, {"prompt": "2+3="})
+    right, wrong = (scorer("", a, prompt, tok(a)["input_ids"]) for a in ("5", "27"))
+    assert right > wrong  # the trained preference, read at the appended EOS
+    grpo = os.path.join(REPO, "examples", "configs", "arith_grpo.yaml")
+    launch("grpo.py", grpo, f"actor.path={tiny_model_dir}", f"cluster.fileroot={root}",
+           f"reward={rm_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
+           "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "actor.group_size=4",
+           "train_dataset.options.n_operands=2", "valid_dataset.options.size=8",
+           "valid_dataset.options.n_operands=2", "evaluator.freq_steps=null")  # fmt: skip
+    lines = open(f"{root}/arith-grpo/demo/metrics.jsonl").read().splitlines()
+    records = [r for r in map(json.loads, lines) if "ppo_actor/reward_raw" in r]
+    assert len(records) == 2, lines
+    assert records[-1]["rollout/errors"] == 0 and records[-1]["rollout/timeouts"] == 0, records
+    assert records[-1]["rollout/ok"] >= 2 * 4 * 4, records  # every sample scored by the RM
+    assert all(math.isfinite(r["ppo_actor/reward_raw"]) for r in records), records

@@ -24,7 +24,9 @@ Example, `my_rewards.py` next to the YAML:
     reward: [math_verify, my_rewards.py:brevity]
     reward_weights: [1.0, 0.1]             # weighted sum; each component is logged
 
-Built-ins by short name: BUILTIN_REWARDS.
+Built-ins by short name: BUILTIN_REWARDS. A directory is a trained reward model
+(`reward: runs/arith-rm/demo/checkpoints/final/<name>`, from examples/rm.py): scored in the
+reward worker process, see arealite/reward/reward_model.py.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ BUILTIN_REWARDS = {
     "arith": "arealite.reward.arith:arith_reward_fn",
     "clevr_count": "arealite.reward.clevr_count:clevr_count_reward_fn",
 }
+REWARD_MODEL_SCORER = ("arealite.reward.reward_model", "RewardModelScorer")
 CONTRACT_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")
 
 
@@ -77,7 +80,10 @@ def _import_file(path: str, spec: str) -> Any:
 
 
 def resolve_reward(spec: str) -> Callable[..., Any]:
-    """The function a spec names: a built-in short name, `pkg.module:fn` or `file.py:fn`."""
+    """The function a spec names: a built-in short name, `pkg.module:fn`, `file.py:fn`, or a
+    reward-model checkpoint directory (arealite/reward/reward_model.py scores with it)."""
+    if os.path.isdir(spec):
+        return _reward_model(spec)
     target = BUILTIN_REWARDS.get(spec, spec)
     where, sep, attr = target.rpartition(":")
     if not sep or not where or not attr:
@@ -101,6 +107,12 @@ def resolve_reward(spec: str) -> Callable[..., Any]:
         raise RewardSpecError(f"reward {spec!r}: {where!r} has no function {attr!r}")
     check_reward_signature(fn, spec)
     return fn
+
+
+def _reward_model(path: str) -> Callable[..., Any]:
+    """A scorer for a trained reward model (imported by name: api never imports reward)."""
+    scorer = importlib.import_module(REWARD_MODEL_SCORER[0])
+    return getattr(scorer, REWARD_MODEL_SCORER[1])(path)
 
 
 def check_reward_signature(fn: Callable[..., Any], spec: str) -> None:

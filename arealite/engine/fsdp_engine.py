@@ -129,6 +129,11 @@ class FSDPEngine(BaseHFEngine):
             else:
                 shards = (_to_original_names(self.model, b) for b in gathered)
                 write_safetensors_shards(shards, len(buckets), tmp)
+            if self.config.is_critic:  # the head's class, so from_pretrained(path) rebuilds it
+                archs = self.model.config.architectures or []
+                self.model.config.architectures = [
+                    a.replace("ForCausalLM", "ForTokenClassification") for a in archs
+                ]
             self.model.config.save_pretrained(tmp)
             gen_cfg = getattr(self.model, "generation_config", None)
             if gen_cfg is not None and not self.config.is_critic:
