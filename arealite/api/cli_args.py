@@ -5,7 +5,8 @@ Every field has a default and a help text (`field(metadata={"help": ...})`); val
 `load_expr_config(argv, GRPOConfig)` reads `--config x.yaml` and then dotted `key=value`
 overrides, and names the key (and the closest valid one) when something is wrong. Choices are
 `Literal[...]` types. The launch-side configs (servers, cluster, launchers) live in
-`launch_config.py`, the algorithm presets in `presets.py`; both are re-exported here.
+`launch_config.py`, the data and service configs (datasets, saver, evaluator, recover, stats
+logger) in `data_config.py`, the algorithm presets in `presets.py`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from omegaconf import MISSING
 
 from arealite.api.config_loader import ConfigBase, ConfigError, load_expr_config, to_yaml
 from arealite.api.config_loader import help_text as _help
+from arealite.api.data_config import (
+    DatasetConfig,
+    EvaluatorConfig,
+    RecoverConfig,
+    SaverConfig,
+    StatsLoggerConfig,
+)
 from arealite.api.io_struct import AllocationMode, GenerationHyperparameters
 from arealite.api.launch_config import (
     ClusterConfig,
@@ -310,96 +318,6 @@ class InferenceEngineConfig(ConfigBase):
             raise ConfigError(
                 f"rollout.max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}"
             )
-
-
-# ----------------------------------------------------------------------------- data and services
-
-
-@dataclass
-class DatasetConfig(ConfigBase):
-    """Where the rows come from (see README "Bring your own task")."""
-
-    path: str = field(
-        default="",
-        metadata=_help(
-            "A built-in task (arith, gsm8k, clevr_count_70k, synthetic_counting), a local "
-            ".jsonl/.json/.parquet/.csv file, a save_to_disk folder, or a hub id."
-        ),
-    )
-    name: Optional[str] = field(default=None, metadata=_help("Hub dataset config name."))
-    split: str = "train"
-    data_files: Any = field(
-        default=None, metadata=_help("Hub / folder data_files (a path, list or split dict).")
-    )
-    columns: dict[str, str] = field(
-        default_factory=dict,
-        metadata=_help(
-            "Canonical name -> the data's own column, e.g. {prompt: question, answer: solution}. "
-            "Canonical: messages | prompt, answer, images, completion (SFT)."
-        ),
-    )
-    prompt_template: Optional[str] = field(
-        default=None,
-        metadata=_help("Turns `prompt` into the user message, e.g. '{prompt}\\nAnswer:'."),
-    )
-    options: dict[str, Any] = field(
-        default_factory=dict,
-        metadata=_help(
-            "Settings of a built-in task, e.g. arith: {size, seed, max_digits, n_operands}."
-        ),
-    )
-    batch_size: int = field(default=8, metadata=_help("Prompts per step (global)."))
-    shuffle: bool = True
-    drop_last: bool = True
-    max_length: Optional[int] = field(
-        default=None, metadata=_help("Rows longer than this (tokens) are dropped or fail.")
-    )
-    too_long: Literal["drop", "fail"] = field(
-        default="drop", metadata=_help("Rows over max_length: dropped (counted, logged) or fail.")
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.batch_size < 1:
-            raise ConfigError(f"dataset.batch_size must be >= 1, got {self.batch_size}")
-
-
-@dataclass
-class _FreqConfig(ConfigBase):
-    freq_epochs: Optional[int] = field(default=None, metadata=_help("Every N epochs."))
-    freq_steps: Optional[int] = field(default=None, metadata=_help("Every N steps."))
-    freq_secs: Optional[int] = field(default=None, metadata=_help("Every N seconds."))
-
-
-@dataclass
-class SaverConfig(_FreqConfig):
-    """HF checkpoints for export."""
-
-
-@dataclass
-class EvaluatorConfig(_FreqConfig):
-    """Held-out evaluation."""
-
-
-@dataclass
-class RecoverConfig(_FreqConfig):
-    """Recover checkpoints (resume after a crash)."""
-
-    mode: Literal["disabled", "auto", "resume"] = field(
-        default="disabled",
-        metadata=_help("auto: resume if a checkpoint exists; resume: require one."),
-    )
-    retries: int = field(default=3, metadata=_help("Launcher retries of a failed run."))
-
-
-@dataclass
-class StatsLoggerConfig(ConfigBase):
-    """TensorBoard + metrics JSONL always; wandb / swanlab when enabled."""
-
-    wandb_mode: Literal["disabled", "online", "offline"] = "disabled"
-    wandb_project: Optional[str] = None
-    swanlab_mode: Literal["disabled", "cloud", "local"] = "disabled"
-    print_every: int = field(default=1, metadata=_help("Progress line every N steps."))
 
 
 # ----------------------------------------------------------------------------- experiments
