@@ -50,7 +50,9 @@ def test_critic_value_loss_falls_and_explained_variance_rises(tiny_model_dir):
             batch["values"] = critic.compute_values(batch)
             v, r = batch["values"][mask], batch["returns"][mask]
             ev.append(float(1 - (r - v).var() / r.var()))
-            losses.append(critic.ppo_update(batch)["value_loss"])
+            stats = critic.ppo_update(batch)
+            assert stats["explained_variance"] == pytest.approx(ev[-1], abs=1e-4)  # logged
+            losses.append(stats["value_loss"])
         assert losses[-1] < 0.3 * losses[0], losses
         assert ev[-1] > 0.5 and ev[-1] > ev[0] + 0.3, ev
     finally:

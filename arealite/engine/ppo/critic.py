@@ -65,12 +65,37 @@ class PPOCritic:
         ]
         n, clip, value = du.all_reduce_sum([acc["n_tokens"], acc["clip"], acc["value"]])
         return dict(
+            explained_variance=explained_variance(data["values"], data["returns"], data),
             value_loss=sum(s["loss"] for s in steps) / len(steps),
             value_grad_norm=sum(s["grad_norm"] for s in steps) / len(steps),
             value_clip_ratio=clip / max(n, 1.0),
             value_mean=value / max(n, 1.0),
             update_successful=min(s["update_successful"] for s in steps),
         )
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, data: TensorDict) -> float:
+    """1 - Var(returns - values) / Var(returns) over the completion tokens of all ranks, with
+    the values the batch was scored with (before this update): 1 = the critic predicts the
+    returns, 0 = no better than their mean, < 0 = worse."""
+    mask = data["loss_mask"].bool()
+    if "attention_mask" in data.keys():
+        mask = mask & data["attention_mask"].bool()
+    r, d = returns.float()[mask], (returns.float() - values.float())[mask]
+    n, sr, sr2, sd, sd2 = du.all_reduce_sum(
+        [
+            float(mask.sum()),
+            float(r.sum()),
+            float((r * r).sum()),
+            float(d.sum()),
+            float((d * d).sum()),
+        ]
+    )
+    if n < 2:
+        return 0.0
+    var_r = sr2 / n - (sr / n) ** 2
+    var_d = sd2 / n - (sd / n) ** 2
+    return 1.0 - var_d / var_r if var_r > 1e-12 else 0.0
 
 
 class FSDPPPOCritic(FSDPEngine):
