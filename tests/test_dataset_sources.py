@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -75,6 +78,45 @@ def test_every_source_kind_loads_with_column_mapping(tmp_path, kind):
     path = _datasets_kinds(tmp_path)[kind]
     ds = get_custom_dataset(path, columns=MAPPING, prompt_template="{prompt} Think.")
     _check_rows(ds, " Think.")
+
+
+HUB_ID_IN_CACHE = """
+import json, sys
+from arealite.dataset import get_custom_dataset
+ds = get_custom_dataset("org/my_data", columns=json.loads(sys.argv[1]), prompt_template="{prompt} Think.")
+print(json.dumps([dict(r) for r in ds]))
+"""
+
+
+def fake_datasets_cache(hf_home, repo_id: str, parquet: str) -> None:
+    """`repo_id` in `datasets`' own cache under HF_HOME, as a first online `load_dataset(repo_id)`
+    leaves it (<ns>___<name>/default/<version>/<hash>/ with arrow files + dataset_info.json)."""
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    ns, name = repo_id.split("/")
+    cache = str(hf_home / "datasets")
+    Parquet(cache_dir=cache, dataset_name=name, data_files={"train": parquet},
+            hash="0123abcd").download_and_prepare()  # fmt: skip
+    ((config_dir,),) = [os.listdir(os.path.join(cache, name))]  # default-<hash of data_files>
+    os.makedirs(os.path.join(cache, f"{ns}___{name}"))
+    os.rename(
+        os.path.join(cache, name, config_dir), os.path.join(cache, f"{ns}___{name}", "default")
+    )
+
+
+def test_hub_id_loads_offline_from_the_datasets_cache(tmp_path):
+    """A hub dataset id with HF_HUB_OFFLINE=1 reads the local cache (no network)."""
+    parquet = _datasets_kinds(tmp_path)["parquet"]
+    fake_datasets_cache(tmp_path / "home", "org/my_data", parquet)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    _check_rows(json.loads(p.stdout.strip().splitlines()[-1]), " Think.")
+    env["HF_HOME"] = str(tmp_path / "empty")  # not cached: fails naming the id
+    p = subprocess.run([sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode != 0 and "org/my_data" in p.stderr.splitlines()[-1], p.stderr[-3000:]
 
 
 def test_splits_of_folders(tmp_path):
