@@ -63,11 +63,11 @@ def write_task(tmp_path, model: str, n_rows: int = 32) -> tuple[str, str]:
     return str(tmp_path / "my.yaml"), str(tmp_path / "runs" / "byot" / "grpo")
 
 
-def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
+def launch(script: str, yaml: str, *overrides: str, timeout: float = 400, env=None):
     cmd = [sys.executable, "-m", "arealite.launcher.local", f"examples/{script}",
            "--config", yaml, *overrides]  # fmt: skip
     start = time.monotonic()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - start
 
 
@@ -146,6 +146,26 @@ def test_user_jsonl_and_reward_file_train_with_grpo(tmp_path, tiny_model_dir):
     prompts = [json.loads(line)["prompt"] for f in os.listdir(dumps) if f.startswith("rollouts_v")
                for line in open(os.path.join(dumps, f))]  # fmt: skip
     assert prompts and all("=" in p for p in prompts)  # prompt_template applied
+
+
+@pytest.mark.integration
+def test_parquet_data_and_a_hub_model_id_from_the_offline_cache(tmp_path, tiny_model_dir):
+    """The same task from a parquet file, with actor.path a hub id: resolved once by the
+    launcher, the embedded server and the trainer both load the cached snapshot."""
+    import datasets
+
+    yaml, run_dir = write_task(tmp_path, "org/tiny")
+    parquet = str(tmp_path / "my_data.parquet")
+    datasets.Dataset.from_json(str(tmp_path / "my_data.jsonl")).to_parquet(parquet)
+    snap = fake_hub_cache(tmp_path / "hub", "org/tiny", files_from=tiny_model_dir)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    rc, out, _ = launch("grpo.py", yaml, f"train_dataset.path={parquet}", "total_train_steps=2",
+                        env=env)  # fmt: skip
+    assert rc == 0, out[-6000:]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert len(records) == 2 and f"reward/{tmp_path / 'my_rewards.py'}:exact" in records[-1]
+    written = open(os.path.join(run_dir, "config.yaml")).read()
+    assert f"model_path: {snap}" in written and "org/tiny" not in written
 
 
 @pytest.mark.integration
