@@ -72,6 +72,46 @@ def rank_slice(n: int, rank: int, world: int) -> slice:
     return slice(start, n if rank == world - 1 else start + rest)
 
 
+def critic_batch(seed: int):
+    """make_batch with PPO returns that depend on each sequence (its first token)."""
+    batch = make_batch(seed=seed)
+    target = (batch["input_ids"][:, :1] % 7).float() / 3.0 - 1.0
+    mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    batch["returns"] = torch.where(mask, target.expand_as(mask), 0.0)
+    return batch
+
+
+def train_variant(mode: str, model_dir: str, max_tokens: int, steps: int, rank: int, world: int):
+    """`critic`: FSDPPPOCritic value steps (values from compute_values, then ppo_update);
+    `lora`: a LoRA actor's steps (FSDPLMEngine with adapters on q/k/v/o). Each rank takes its
+    uneven slice of the same global batches. Returns (per-step stats, full weights)."""
+    from arealite.api.cli_args import PPOCriticConfig
+    from arealite.api.lora_config import LoRAConfig
+    from arealite.engine.ppo.critic import FSDPPPOCritic
+    from arealite.engine.sft.lm_engine import FSDPLMEngine
+
+    if mode == "critic":
+        base = engine_config(model_dir, max_tokens)
+        keys = ("path", "fsdp", "mb_spec", "optimizer")
+        engine = FSDPPPOCritic(PPOCriticConfig(**{k: getattr(base, k) for k in keys}))
+    else:
+        lora = LoRAConfig(rank=4, alpha=8.0)
+        engine = FSDPLMEngine(engine_config(model_dir, max_tokens, lora=lora))
+    engine.initialize(None, None)
+    stats = []
+    for step in range(steps):
+        batch = critic_batch(step) if mode == "critic" else make_batch(seed=step)
+        batch = batch[rank_slice(batch.batch_size[0], rank, world)]
+        if mode == "critic":
+            batch["values"] = engine.compute_values(batch)
+            stats.append(engine.ppo_update(batch))
+        else:
+            stats.append(engine.train_lm(batch))
+    weights = full_weights(engine)
+    engine.destroy()
+    return stats, weights
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -79,7 +119,14 @@ def main() -> None:
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--mode", choices=("lm", "critic", "lora"), default="lm")
     a = p.parse_args()
+    if a.mode != "lm":  # critic / LoRA actor: stats and weights only
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        stats, weights = train_variant(a.mode, a.model, a.max_tokens, a.steps, rank, world)
+        if rank == 0:
+            torch.save({"stats": stats, "weights": weights, "world": world}, a.out)
+        return
 
     from arealite.api.io_struct import SaveLoadMeta
     from arealite.engine.sft.lm_engine import FSDPLMEngine

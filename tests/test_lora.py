@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _torchrun_fsdp import engine_config, make_batch
+from _torchrun_fsdp import engine_config, make_batch, train_variant
+from test_ppo_critic import run_two_gloo_ranks
 from transformers import AutoModelForCausalLM
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, OptimizerConfig, load_expr_config
@@ -98,3 +99,17 @@ def test_bad_lora_configs_fail_clearly(lora_engine, tiny_model_dir):
         load_expr_config(base + ["actor.lora.rank=0"], GRPOConfig)
     with pytest.raises(ValueError, match=r"match no module.*q_proj"):
         lora_engine(target_modules=["no_such_proj"])
+
+
+def test_lora_actor_on_two_gloo_ranks_matches_one_rank(tiny_model_dir, tmp_path):
+    """FSDP2 over the PEFT model, uneven row slices per rank: losses, adapters and the frozen
+    base equal 1 rank's."""
+    two = run_two_gloo_ranks("lora", tiny_model_dir, tmp_path / "lora.pt")
+    one_stats, one_weights = train_variant("lora", tiny_model_dir, 48, 2, 0, 1)
+    for a, b in zip(one_stats, two["stats"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=1e-5)
+    assert one_weights.keys() == two["weights"].keys()
+    assert any("lora_B" in k for k in one_weights)
+    for k, w in one_weights.items():
+        torch.testing.assert_close(w, two["weights"][k], atol=1e-5, rtol=0, msg=k)

@@ -3,9 +3,13 @@ loss falls, explained variance rises) on the tiny model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from _torchrun_fsdp import engine_config, make_batch
+from _torchrun_fsdp import engine_config, make_batch, train_variant
 
 from arealite.api.cli_args import (
     ConfigError,
@@ -15,6 +19,7 @@ from arealite.api.cli_args import (
     load_expr_config,
 )
 from arealite.engine.ppo.critic import FSDPPPOCritic
+from arealite.utils.network import find_free_port
 
 
 def _base(model_dir):
@@ -57,3 +62,31 @@ def test_critic_value_loss_falls_and_explained_variance_rises(tiny_model_dir):
         assert ev[-1] > 0.5 and ev[-1] > ev[0] + 0.3, ev
     finally:
         critic.destroy()
+
+
+def run_two_gloo_ranks(mode: str, model_dir: str, out) -> dict:
+    """tests/_torchrun_fsdp.py --mode MODE on 2 gloo ranks; rank 0's stats and weights."""
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(find_free_port()), script, "--mode", mode,
+        "--model", model_dir, "--out", str(out), "--hf-dir", str(out) + "_hf",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = torch.load(out, weights_only=False)
+    assert two["world"] == 2
+    return two
+
+
+def test_critic_on_two_gloo_ranks_matches_one_rank(tiny_model_dir, tmp_path):
+    """Uneven row slices per rank: value loss, explained variance and weights equal 1 rank's."""
+    two = run_two_gloo_ranks("critic", tiny_model_dir, tmp_path / "critic.pt")
+    one_stats, one_weights = train_variant("critic", tiny_model_dir, 48, 2, 0, 1)
+    for a, b in zip(one_stats, two["stats"], strict=True):
+        for key in ("value_loss", "explained_variance", "value_grad_norm", "value_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+    assert one_weights.keys() == two["weights"].keys()
+    for k, w in one_weights.items():
+        torch.testing.assert_close(w, two["weights"][k], atol=1e-5, rtol=0, msg=k)

@@ -43,7 +43,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules), bias="none",
     )  # fmt: skip
-    model = get_peft_model(model, peft_cfg)
+    # A fixed seed: every rank draws the same A (FSDP2 then keeps each rank's shard of its own
+    # copy, so ranks drawing differently would train a mixture), and runs are reproducible.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = get_peft_model(model, peft_cfg)
     trainable, total = count_parameters(model)
     logger.info(
         "LoRA r=%d on %s: %d trainable of %d parameters (%.2f%%)",
