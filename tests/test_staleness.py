@@ -67,3 +67,8 @@ def test_bad_settings_name_the_setting(kw, name):
     args = dict(max_concurrent_rollouts=4, consumer_batch_size=4, max_head_offpolicyness=0)
     with pytest.raises(ValueError, match=name):
         StalenessController(**{**args, **kw})
+
+
+def test_unset_consumer_batch_size_is_named():
+    with pytest.raises(ValueError, match="rollout.consumer_batch_size is unset"):
+        StalenessController(4, None, 1)

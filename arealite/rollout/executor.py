@@ -52,7 +52,7 @@ class WorkflowExecutor:
     def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine):
         self.config = config
         self.engine = engine
-        self.max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size or 1
         self.queue_size = config.queue_size or 4 * self.max_concurrent
         if self.queue_size < 1:
             raise ValueError(f"rollout.queue_size must be >= 1, got {self.queue_size}")

@@ -30,6 +30,11 @@ class StalenessController:
     world_size: int = 1
 
     def __post_init__(self):
+        if self.consumer_batch_size is None:
+            raise ValueError(
+                "rollout.consumer_batch_size is unset: set it to the prompts per training batch "
+                "(an experiment config derives it from train_dataset.batch_size)"
+            )
         for name in ("max_concurrent_rollouts", "consumer_batch_size", "world_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
