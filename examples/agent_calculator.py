@@ -4,7 +4,7 @@ cannot compute, but can answer by calling a `calculator` tool and copying its re
 The agent (`solve`) is written against the `openai` SDK's interface and runs on arealite's
 `TrainingOpenAIClient` through `AgentWorkflow` (no HTTP). Two phases:
 
-    python examples/agent_calculator.py sft --base <tiny model> --out <dir> [--steps 60]
+    python examples/agent_calculator.py sft --base <tiny model> --out <dir> [--steps 200]
     python -m arealite.launcher.local examples/agent_calculator.py \
         --config examples/configs/agent_calculator.yaml actor.path=<dir>
 
@@ -184,9 +184,9 @@ def main() -> None:
         p.add_argument("phase")
         p.add_argument("--base", required=True, help="model dir (e.g. the tiny model)")
         p.add_argument("--out", required=True, help="where the warm-started model goes")
-        p.add_argument("--steps", type=int, default=60)
-        p.add_argument("--batch-size", type=int, default=32)
-        p.add_argument("--lr", type=float, default=1e-3)
+        p.add_argument("--steps", type=int, default=200)
+        p.add_argument("--batch-size", type=int, default=16)
+        p.add_argument("--lr", type=float, default=3e-3)
         p.add_argument("--seed", type=int, default=1)
         a = p.parse_args()
         sft(a.base, a.out, a.steps, a.batch_size, a.lr, a.seed)
