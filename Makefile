@@ -44,6 +44,8 @@ demo: setup
 bench: setup
 	$(PY) bench/rollout_throughput.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/train_step_vs_plain.py --profile
+	$(PY) bench/grpo_vs_sync_hf.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
