@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 _INT = re.compile(r"-?\d+")
 
@@ -13,18 +14,35 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def arith_reward_fn(
-    prompt: str,
-    completions: str,
-    prompt_ids: list[int],
-    completion_ids: list[int],
-    answer: str | int | None = None,
-    **row,
-) -> float:
-    """1.0 if the completion's last integer equals row["answer"], else 0.0."""
-    if answer is None:
-        raise ValueError("arith_reward_fn needs the dataset row's 'answer' field")
-    gold = last_integer(str(answer))
-    if gold is None or str(gold) != str(answer).strip():
-        raise ValueError(f"arith_reward_fn: reference answer {answer!r} is not an integer")
-    return float(last_integer(completions) == gold)
+class ExactMatchReward:
+    """reward(prompt, completions, prompt_ids, completion_ids, answer=..., **row) -> 1.0 if the
+    value `extract` finds in the completion equals the one in row["answer"], else 0.0.
+
+    A class rather than one function per task so the contract's signature is written once; an
+    instance pickles (its extractor is a module-level function) for the reward worker processes.
+    `strict`: the reference answer must be exactly the extracted value (e.g. "16", not "x=16").
+    """
+
+    def __init__(self, name: str, extract: Callable[[str], int | None], strict: bool, why: str):
+        self.__name__ = self.name = name
+        self.extract, self.strict, self.why = extract, strict, why
+
+    def __call__(
+        self,
+        prompt: str,
+        completions: str,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        answer: str | int | None = None,
+        **row,
+    ) -> float:
+        if answer is None:
+            raise ValueError(f"{self.name} needs the dataset row's 'answer' field")
+        gold = self.extract(str(answer))
+        if gold is None or (self.strict and str(gold) != str(answer).strip()):
+            raise ValueError(f"{self.name}: reference answer {answer!r} {self.why}")
+        return float(self.extract(completions) == gold)
+
+
+# 1.0 if the completion's last integer equals row["answer"], else 0.0.
+arith_reward_fn = ExactMatchReward("arith_reward_fn", last_integer, True, "is not an integer")

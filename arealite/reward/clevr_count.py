@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from arealite.reward.arith import ExactMatchReward
+
 _BRACKETED = re.compile(r"\[\s*(\d+)\s*\]")
 _NUMBER = re.compile(r"\d+")
 
@@ -15,18 +17,7 @@ def extract_count(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def clevr_count_reward_fn(
-    prompt: str,
-    completions: str,
-    prompt_ids: list[int],
-    completion_ids: list[int],
-    answer: str | int | None = None,
-    **row,
-) -> float:
-    """1.0 if the extracted count equals row["answer"], else 0.0."""
-    if answer is None:
-        raise ValueError("clevr_count_reward_fn needs the dataset row's 'answer' field")
-    gold = extract_count(str(answer))
-    if gold is None:
-        raise ValueError(f"clevr_count_reward_fn: reference answer {answer!r} has no number")
-    return float(extract_count(completions) == gold)
+# 1.0 if the extracted count equals row["answer"], else 0.0.
+clevr_count_reward_fn = ExactMatchReward(
+    "clevr_count_reward_fn", extract_count, False, "has no number"
+)
