@@ -41,6 +41,12 @@ from arealite.server.weight_sync import (
 logger = logging.getLogger("arealite.server")
 
 PUBLIC_PATHS = frozenset({"/health"})
+POST_ROUTES = (
+    "generate", "pause_generation", "continue_generation", "abort_request",
+    "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
+    "destroy_weights_update_group", "flush_cache",
+)  # fmt: skip
+GET_ROUTES = ("health", "get_model_info", "get_server_info", "get_weight_version", "metrics")
 
 
 @dataclass
@@ -107,23 +113,11 @@ class InferenceServer:
         if self.options.api_key:
             middlewares.insert(0, _auth_middleware(self.options.api_key))
         app = web.Application(middlewares=middlewares, client_max_size=256 * 1024**2)
-        app.router.add_post("/generate", self.generate)
-        app.router.add_post("/pause_generation", self.pause_generation)
-        app.router.add_post("/continue_generation", self.continue_generation)
-        app.router.add_post("/abort_request", self.abort_request)
-        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
-        app.router.add_post(
-            "/update_weights_from_distributed", self.update_weights_from_distributed
-        )
-        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        app.router.add_post("/flush_cache", self.flush_cache)
-        app.router.add_get("/health", self.health)
+        for path in POST_ROUTES:  # SGLang's native paths, each served by the method of its name
+            app.router.add_post(f"/{path}", getattr(self, path))
+        for path in GET_ROUTES:
+            app.router.add_get(f"/{path}", getattr(self, path))
         app.router.add_get("/health_generate", self.health)
-        app.router.add_get("/get_model_info", self.get_model_info)
-        app.router.add_get("/get_server_info", self.get_server_info)
-        app.router.add_get("/get_weight_version", self.get_weight_version)
-        app.router.add_get("/metrics", self.metrics)
         OpenAIChatAPI(self.runner, self.scheduler, self.options.model_path).register(app)
         return app
 
