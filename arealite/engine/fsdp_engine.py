@@ -53,6 +53,13 @@ class FSDPEngine(BaseHFEngine):
     def initialize(self, addr: str | None = None, ft_spec: FinetuneSpec | None = None) -> None:
         du.init_distributed(addr)
         self._dist_joined = True
+        try:
+            self._build(ft_spec)
+        except BaseException:  # a bad config must not leave the process group joined
+            self.destroy()
+            raise
+
+    def _build(self, ft_spec: FinetuneSpec | None) -> None:
         self.device = du.current_device()
         self.mesh = init_device_mesh(self.device.type, (du.world_size(),), mesh_dim_names=("dp",))
         if self.device.type == "cpu" and self.config.fsdp.param_dtype != "float32":
