@@ -163,7 +163,11 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
         if rank == 0:
             rollout.update_weights(WeightUpdateMeta.from_disk(weight_dir, start)).result()
+        if world > 1:
+            dist.barrier()  # every rank's clients then expect the restored version
         executor.set_version(start)
+        if evaluation is not None:
+            evaluation[1].set_version(start)
     logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
                          total_steps=total_steps, exp_config=config)  # fmt: skip
     accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
@@ -212,6 +216,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
                 dist.barrier()
             actor.set_version(global_step + 1)
             executor.set_version(global_step + 1)
+            if evaluation is not None:  # its client then refuses a server with older weights
+                evaluation[1].set_version(global_step + 1)
             executor.resume()
 
         # 5. Services.

@@ -257,9 +257,17 @@ class RemoteInferenceEngine(InferenceEngine):
             g.max_new_tokens - len(tokens),
             max(0, g.min_new_tokens - len(tokens)),
         )
+        # Every live server loaded version `_version` before it was set: a server answering with
+        # older weights restarted behind our back. Take it out (it is restored before it rejoins)
+        # and generate elsewhere.
+        expected = self._version
         body, addr = await self.pool.post_with_failover(req.rid, path, payload)
         chunk = self.parse_generate_response(body)
         self.counters["generate_calls"] += 1
+        if chunk.version is not None and chunk.version < expected:
+            reason = f"it serves weights v{chunk.version}, older than v{expected} (restarted?)"
+            self.pool.mark_failed(addr, reason)
+            return await self._generate_chunk(req, tokens)
         return chunk, addr
 
     async def _backoff_after_abort(self, rid: str, addr: str, idle_aborts: int) -> None:
