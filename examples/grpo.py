@@ -167,7 +167,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             dist.barrier()  # every rank's clients then expect the restored version
         executor.set_version(start)
         if evaluation is not None:
-            evaluation[1].set_version(start)
+            evaluation[1].engine.expect_weight_version(start)
     logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
                          total_steps=total_steps, exp_config=config)  # fmt: skip
     accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
@@ -217,7 +217,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             actor.set_version(global_step + 1)
             executor.set_version(global_step + 1)
             if evaluation is not None:  # its client then refuses a server with older weights
-                evaluation[1].set_version(global_step + 1)
+                evaluation[1].engine.expect_weight_version(global_step + 1)
             executor.resume()
 
         # 5. Services.

@@ -82,6 +82,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.weights = WeightUpdates(self)
         self._loop = LoopThread("arealite-inference-client")
         self._version = 0  # policy version (set by the trainer; the staleness bound reads it)
+        self._loaded_elsewhere = 0  # newest version another client loaded on every server
         # Set while generation may run; cleared during weight updates and pause_generation.
         self.gen_allowed: asyncio.Event | None = None
 
@@ -170,6 +171,12 @@ class RemoteInferenceEngine(InferenceEngine):
     def set_version(self, version: int) -> None:
         self._version = version
 
+    def expect_weight_version(self, version: int) -> None:
+        """Another client (the trainer's) finished loading `version` on every live server: from
+        now on an answer with older weights comes from a server restarted behind our back."""
+        self._loaded_elsewhere = max(self._loaded_elsewhere, version)
+        self.weights.saw_version(version)
+
     def get_version(self) -> int:
         return self._version
 
@@ -257,10 +264,10 @@ class RemoteInferenceEngine(InferenceEngine):
             g.max_new_tokens - len(tokens),
             max(0, g.min_new_tokens - len(tokens)),
         )
-        # Every live server loaded version `_version` before it was set: a server answering with
-        # older weights restarted behind our back. Take it out (it is restored before it rejoins)
-        # and generate elsewhere.
-        expected = self._version
+        # Every live server loaded this version before the request went out: a server answering
+        # with older weights restarted behind our back. Take it out (it is restored before it
+        # rejoins) and generate elsewhere.
+        expected = max(self.weights.version, self._loaded_elsewhere)
         body, addr = await self.pool.post_with_failover(req.rid, path, payload)
         chunk = self.parse_generate_response(body)
         self.counters["generate_calls"] += 1
