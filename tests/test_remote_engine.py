@@ -342,3 +342,29 @@ def test_a_weight_rollback_is_refused_and_the_trainer_sees_it(server, tiny_model
         assert not engine.pool.failed  # a refusal is an error, not a dead server
     finally:
         engine.destroy()
+
+
+def test_a_server_serving_older_weights_than_loaded_elsewhere_is_taken_out(tiny_model_dir):
+    """A server answering with weights older than the version the trainer loaded on every
+    live server (it restarted behind this client's back) is taken out and the request is
+    generated again elsewhere: no answer from stale weights reaches the caller."""
+    a, b = launch_many(tiny_model_dir, 2, api_key=API_KEY)
+    trainer = make_engine([a.address])  # b never gets version 2: it stands for a restarted server
+    client = make_engine([a.address, b.address], request_retries=1)
+    try:
+        trainer.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=2)).result(60)
+        client.expect_weight_version(2)
+        g = gen(2, ignore_eos=True)
+
+        async def run():
+            reqs = [ModelRequest(input_ids=PROMPT + [i], gconfig=g) for i in range(4)]
+            return await asyncio.gather(*(client.agenerate(r) for r in reqs))
+
+        assert [r.output_versions for r in asyncio.run(run())] == [[2, 2]] * 4
+        assert n_finished(a) >= 4
+        assert client.stats()["servers_failed"] >= 1
+    finally:
+        trainer.destroy()
+        client.destroy()
+        a.stop()
+        b.stop()

@@ -266,16 +266,16 @@ class RemoteInferenceEngine(InferenceEngine):
         )
         # Every live server loaded this version before the request went out: a server answering
         # with older weights restarted behind our back. Take it out (it is restored before it
-        # rejoins) and generate elsewhere.
+        # rejoins) and generate elsewhere; each retry removes a server, so this ends.
         expected = max(self.weights.version, self._loaded_elsewhere)
-        body, addr = await self.pool.post_with_failover(req.rid, path, payload)
-        chunk = self.parse_generate_response(body)
-        self.counters["generate_calls"] += 1
-        if chunk.version is not None and chunk.version < expected:
+        while True:
+            body, addr = await self.pool.post_with_failover(req.rid, path, payload)
+            chunk = self.parse_generate_response(body)
+            self.counters["generate_calls"] += 1
+            if chunk.version is None or chunk.version >= expected:
+                return chunk, addr
             reason = f"it serves weights v{chunk.version}, older than v{expected} (restarted?)"
             self.pool.mark_failed(addr, reason)
-            return await self._generate_chunk(req, tokens)
-        return chunk, addr
 
     async def _backoff_after_abort(self, rid: str, addr: str, idle_aborts: int) -> None:
         """Aborts without progress while we are not updating weights mean someone else is

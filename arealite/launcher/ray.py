@@ -24,15 +24,9 @@ import threading
 import time
 
 from arealite.api.cli_args import ConfigError, to_yaml
+from arealite.launcher import process
 from arealite.launcher.local import trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
-from arealite.launcher.process import (
-    LaunchError,
-    LogFollower,
-    install_signal_handlers,
-    log_tail,
-    run_launcher,
-)
 from arealite.launcher.servers import (
     server_command,
     share_server_api_key,
@@ -144,7 +138,7 @@ class ProcessActor:
             state = "exited" if self.done.is_set() else f"did not become healthy in {timeout:.0f}s"
             raise RuntimeError(
                 f"inference {self.name} at {address} {state}; log tail ({self.log_path}):\n"
-                f"{log_tail(self.log_path)}"
+                f"{process.log_tail(self.log_path)}"
             )
         self.repo, self.key = make_repository(nr_config, fileroot), key
         self.repo.add(key, address, replace=True, keepalive_ttl=SERVER_KEEPALIVE_TTL)
@@ -194,7 +188,7 @@ class RayRun:
         self.log_dir = os.path.join(self.run_dir, "logs")
         self.actors: dict[str, object] = {}
         self.pgs: list = []
-        self.followers: list[LogFollower] = []
+        self.followers: list[process.LogFollower] = []
 
     # -- resources
     def bundles(self) -> tuple[list[dict], list[dict]]:
@@ -216,7 +210,7 @@ class RayRun:
         for res in ("CPU", "GPU"):
             need = sum(b.get(res, 0) for b in servers + trainers)
             if need > total.get(res, 0) + 1e-9:
-                raise LaunchError(
+                raise process.LaunchError(
                     f"allocation_mode={self.config.allocation_mode!r} needs {need:g} {res} on the "
                     f"Ray cluster, which has {total.get(res, 0):g} ({total})"
                 )
@@ -229,7 +223,7 @@ class RayRun:
         try:
             self.ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT)
         except self.ray.exceptions.GetTimeoutError:
-            raise LaunchError(
+            raise process.LaunchError(
                 f"Ray could not reserve {what} ({strategy} {bundles}) within {PLACEMENT_TIMEOUT:.0f}s; "
                 f"available: {self.ray.available_resources()}"
             ) from None
@@ -270,7 +264,7 @@ class RayRun:
         repo = make_repository(cfg.cluster.name_resolve, cfg.cluster.fileroot)
         addrs = repo.get_subtree(servers_root(cfg.experiment_name, cfg.trial_name))
         if len(addrs) != alloc.gen_n_servers:
-            raise LaunchError(
+            raise process.LaunchError(
                 f"name_resolve holds {len(addrs)} server address(es), expected {alloc.gen_n_servers}"
             )
         return addrs
@@ -279,9 +273,9 @@ class RayRun:
         try:
             return self.ray.get(ref)
         except self.ray.exceptions.RayTaskError as e:
-            raise LaunchError(str(getattr(e, "cause", None) or e)) from None
+            raise process.LaunchError(str(getattr(e, "cause", None) or e)) from None
         except self.ray.exceptions.RayActorError as e:
-            raise LaunchError(f"the Ray actor of {name} died: {e}") from None
+            raise process.LaunchError(f"the Ray actor of {name} died: {e}") from None
 
     # -- trainer
     def start_trainers(self, script: str, script_args: list[str], env: dict[str, str]) -> None:
@@ -296,7 +290,9 @@ class RayRun:
                 share = b["CPU"] / plan.ranks_per_node
                 ranks.append(self.actor(f"rank{rank}", pg, node, share, int(plan.gpu)))
                 self.followers.append(
-                    LogFollower(os.path.join(self.log_dir, f"rank{rank}.log"), f"[rank{rank}] ")
+                    process.LogFollower(
+                        os.path.join(self.log_dir, f"rank{rank}.log"), f"[rank{rank}] "
+                    )
                 )
         infos = self.ray.get([a.node_info.remote() for a in ranks])
         master_port = self.config.launcher.trainer_port or infos[0]["port"]
@@ -332,14 +328,14 @@ class RayRun:
                 rc = self._result(ref, name)
                 path = os.path.join(self.log_dir, f"{name}.log")
                 if name.startswith("server"):
-                    raise LaunchError(
+                    raise process.LaunchError(
                         f"inference {name} exited with code {rc} during training; "
-                        f"log tail ({path}):\n{log_tail(path)}"
+                        f"log tail ({path}):\n{process.log_tail(path)}"
                     )
                 if rc != 0:
-                    raise LaunchError(
+                    raise process.LaunchError(
                         f"trainer failed: rank {name[4:]} exited with code {rc}; "
-                        f"log tail ({path}):\n{log_tail(path)}"
+                        f"log tail ({path}):\n{process.log_tail(path)}"
                     )
                 ranks_left.discard(name)
         for f in self.followers:  # show the ranks' last lines before the launcher's summary
@@ -368,7 +364,9 @@ def run(argv: list[str]) -> int:
     os.makedirs(os.path.join(config.run_dir, "logs"), exist_ok=True)
     with open(os.path.join(config.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(config))
-    install_signal_handlers(lambda signum: logger.warning("signal %d: stopping the run", signum))
+    process.install_signal_handlers(
+        lambda signum: logger.warning("signal %d: stopping the run", signum)
+    )
     t0 = time.monotonic()
     ray.init(address=config.launcher.ray_address, log_to_driver=True)
     logger.info("connected to Ray in %.1fs: %s", time.monotonic() - t0, ray.cluster_resources())
@@ -389,7 +387,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_launcher(run, sys.argv[1:] if argv is None else argv)
+    process.run_launcher(run, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

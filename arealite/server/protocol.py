@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,39 +111,49 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(d: dict, key: str, default: int, *, low: int | None = None, prefix: str = "") -> int:
+def _field(d: dict, key: str, default: Any, convert: Callable, expected: str, prefix: str):
+    """`d[key]` through `convert` (which answers None for a value of the wrong type), or
+    `default` when the key is absent or null; the one place a wrong type becomes a 400."""
     v = d.get(key)
     if v is None:
         return default
+    out = convert(v)
+    if out is None:
+        raise BadRequest(f"{prefix}{key}: expected {expected}, got {json.dumps(v)[:40]}")
+    return out
+
+
+def _as_int(v: Any) -> int | None:
     if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v):
-        raise BadRequest(f"{prefix}{key}: expected an integer, got {json.dumps(v)[:40]}")
-    if low is not None and v < low:
+        return int(v)
+    return v if _is_int(v) else None
+
+
+def _as_finite_float(v: Any) -> float | None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _int(d: dict, key: str, default: int, *, low: int | None = None, prefix: str = "") -> int:
+    v = _field(d, key, default, _as_int, "an integer", prefix)
+    if low is not None and d.get(key) is not None and v < low:
         raise BadRequest(f"{prefix}{key}: must be >= {low}, got {v}")
     return v
 
 
 def _float(d: dict, key: str, default: float, *, prefix: str = "") -> float:
-    v = d.get(key)
-    if v is None:
-        return default
-    try:
-        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-    except OverflowError:  # an integer beyond float range
-        f = math.inf
-    if not math.isfinite(f):
-        raise BadRequest(f"{prefix}{key}: expected a finite number, got {json.dumps(v)[:40]}")
-    return f
+    return _field(d, key, default, _as_finite_float, "a finite number", prefix)
 
 
 def _bool(d: dict, key: str, default: bool, *, prefix: str = "") -> bool:
-    v = d.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"{prefix}{key}: expected true or false, got {json.dumps(v)[:40]}")
-    return v
+    return _field(
+        d, key, default, lambda v: v if isinstance(v, bool) else None, "true or false", prefix
+    )
 
 
 def _token_ids(v: Any, name: str, vocab_size: int, *, allow_empty: bool) -> list[int]:

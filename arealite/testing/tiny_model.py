@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+from dataclasses import dataclass
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
@@ -107,34 +108,48 @@ def _pin_tokenizer_class(out_dir: str) -> None:
         json.dump(cfg, f, indent=2)
 
 
+@dataclass(frozen=True)
+class TextModelSpec:
+    """Decoder sizes shared by the tiny causal LM and the tiny VLM's language model."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 1024
+
+    def qwen2_fields(self, tok) -> dict:
+        """The Qwen2(-VL) text-config fields these sizes and tokenizer `tok` fix."""
+        return dict(
+            vocab_size=len(tok),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN),
+            pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
+            bos_token_id=None,
+            rms_norm_eps=1e-6,
+        )
+
+
 def build_tiny_model(
-    out_dir: str,
-    hidden_size: int = 256,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 512,
-    vocab_size: int = 1024,
-    max_position_embeddings: int = 2048,
-    seed: int = 1,
+    out_dir: str, seed: int = 1, max_position_embeddings: int = 2048, **sizes: int
 ) -> str:
-    """Write tokenizer + random Qwen2 causal LM (about 3M parameters by default) into `out_dir`."""
+    """Write tokenizer + random Qwen2 causal LM (about 3M parameters by default) into `out_dir`.
+
+    `sizes` are `TextModelSpec` fields (hidden_size, num_layers, ...).
+    """
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    tok = build_tiny_tokenizer(out_dir, vocab_size=vocab_size)
+    spec = TextModelSpec(**sizes)
+    tok = build_tiny_tokenizer(out_dir, vocab_size=spec.vocab_size)
     config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        **spec.qwen2_fields(tok),
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
-        eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN),
-        pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
-        bos_token_id=None,
-        rms_norm_eps=1e-6,
         initializer_range=0.02,
     )
     return save_random_model(AutoModelForCausalLM, config, config, seed, out_dir)

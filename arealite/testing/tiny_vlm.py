@@ -19,8 +19,7 @@ import json
 import os
 
 from arealite.testing.tiny_model import (
-    EOS_TOKEN,
-    PAD_TOKEN,
+    TextModelSpec,
     build_tiny_tokenizer,
     save_random_model,
 )
@@ -69,6 +68,8 @@ PATCH_SIZE = 14
 MERGE_SIZE = 2
 MIN_PIXELS = 28 * 28
 MAX_PIXELS = 112 * 112
+# The patch geometry the image processor and the vision tower must agree on.
+PATCH_GEOMETRY = dict(patch_size=PATCH_SIZE, temporal_patch_size=2)
 
 
 def build_tiny_vlm_processor(out_dir: str, vocab_size: int = 1024, max_pixels: int = MAX_PIXELS):
@@ -88,9 +89,8 @@ def build_tiny_vlm_processor(out_dir: str, vocab_size: int = 1024, max_pixels: i
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=MIN_PIXELS,
         max_pixels=max_pixels,
-        patch_size=PATCH_SIZE,
         merge_size=MERGE_SIZE,
-        temporal_patch_size=2,
+        **PATCH_GEOMETRY,
     )
     image_processor.save_pretrained(out_dir)
     _patch_json(
@@ -121,47 +121,35 @@ def _patch_json(out_dir: str, name: str, **updates) -> None:
         json.dump(cfg, f, indent=2)
 
 
+# The VLM's language model is smaller than the text demo's: vision tests run many forwards.
+VLM_TEXT_SIZES = dict(hidden_size=128, num_layers=2, intermediate_size=256)
+
+
 def _qwen2_vl_config(
-    tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vision_depth,
-    vision_embed_dim, vision_heads,
-):  # fmt: skip
+    tok, text: TextModelSpec, vision_depth: int, vision_embed_dim: int, vision_heads: int
+):
     """A Qwen2VLConfig for tokenizer `tok` (the special token ids come from it)."""
     from transformers import Qwen2VLConfig
 
-    head_dim = hidden_size // num_heads
+    head_dim = text.hidden_size // text.num_heads
     # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width); Qwen2-VL uses 1:1.5:1.5.
     t_sec = head_dim // 8
     h_sec = (head_dim // 2 - t_sec) // 2
     mrope_section = [t_sec, h_sec, head_dim // 2 - t_sec - h_sec]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
-    config = Qwen2VLConfig(
+    return Qwen2VLConfig(
         text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": mrope_section,
-            },
-            eos_token_id=tok.convert_tokens_to_ids(EOS_TOKEN),
-            pad_token_id=tok.convert_tokens_to_ids(PAD_TOKEN),
-            bos_token_id=None,
+            **text.qwen2_fields(tok), max_position_embeddings=4096, rope_parameters=rope
         ),
         vision_config=dict(
             depth=vision_depth,
             embed_dim=vision_embed_dim,
-            hidden_size=hidden_size,
+            hidden_size=text.hidden_size,
             num_heads=vision_heads,
             mlp_ratio=2,
-            patch_size=PATCH_SIZE,
             spatial_merge_size=MERGE_SIZE,
-            temporal_patch_size=2,
+            **PATCH_GEOMETRY,
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -169,30 +157,27 @@ def _qwen2_vl_config(
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
         tie_word_embeddings=False,
     )
-    return config
 
 
 def build_tiny_vlm(
     out_dir: str,
     seed: int = 1,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
     vision_depth: int = 2,
     vision_embed_dim: int = 64,
     vision_heads: int = 4,
-    vocab_size: int = 1024,
+    **sizes: int,
 ) -> str:
-    """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`."""
+    """Write processor + random Qwen2-VL (about 0.7M parameters by default) into `out_dir`.
+
+    `sizes` are `TextModelSpec` fields of the language model (defaults: `VLM_TEXT_SIZES`).
+    """
     from transformers import AutoModelForImageTextToText
 
-    processor = build_tiny_vlm_processor(out_dir, vocab_size=vocab_size)
+    text = TextModelSpec(**{**VLM_TEXT_SIZES, **sizes})
+    processor = build_tiny_vlm_processor(out_dir, vocab_size=text.vocab_size)
     config = _qwen2_vl_config(
-        processor.tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-        vision_depth, vision_embed_dim, vision_heads,
-    )  # fmt: skip
+        processor.tokenizer, text, vision_depth, vision_embed_dim, vision_heads
+    )
     return save_random_model(AutoModelForImageTextToText, config, config.text_config, seed, out_dir)
 
 
