@@ -1,4 +1,5 @@
-"""The package layering of DESIGN.md holds: no upward import, no import cycle, no sys.modules.
+"""The package layering of DESIGN.md holds: no upward import, no import cycle, no sys.modules;
+and no library file, class or function grows past the size a reader can hold.
 
 Imports are read from the source with `ast` (every import statement, including ones inside
 functions and under TYPE_CHECKING: a lazy import is still a dependency), so the checks need no
@@ -189,6 +190,30 @@ def test_every_package_says_what_lives_there_and_what_it_may_import():
     assert missing == []
 
 
+# Size limits of issue 17: past them a module or function stops fitting in one reader's head.
+MAX_LINES = {"file": 500, "class": 300, "function": 60}
+
+
+def oversized(modules: dict[str, str]) -> list[str]:
+    """Library files, classes and functions over MAX_LINES, as `path[:name]: kind N lines`."""
+    out = []
+    for _, path in sorted(modules.items()):
+        src, rel = open(path).read(), os.path.relpath(path, ROOT)
+        if (n_lines := src.count("\n")) > MAX_LINES["file"]:
+            out.append(f"{rel}: file {n_lines} lines")
+        for node in ast.walk(ast.parse(src, path)):
+            kind = {ast.ClassDef: "class", ast.FunctionDef: "function"}.get(type(node))
+            kind = "function" if isinstance(node, ast.AsyncFunctionDef) else kind
+            n = node.end_lineno - node.lineno + 1 if kind else 0
+            if kind and n > MAX_LINES[kind]:
+                out.append(f"{rel}:{node.name}: {kind} {n} lines")
+    return out
+
+
+def test_files_classes_and_functions_stay_small():
+    assert oversized(MODULES) == []
+
+
 # ----------------------------------------------------------------------------- the checks fail
 
 
@@ -229,3 +254,6 @@ def test_the_checks_catch_violations(fake_root, monkeypatch):
     ]
     assert import_cycles(modules) == [["arealite.api.b", "arealite.api.c"]]
     assert sys_modules_lookups(modules) == ["arealite/engine/d.py:2"]
+    long_body = "    x = 1\n" * 61
+    big = _fake_tree(fake_root, {"arealite/utils/big.py": f"async def g():\n{long_body}"})
+    assert oversized(big) == ["arealite/utils/big.py:g: function 62 lines"]
