@@ -204,6 +204,9 @@ def test_n_choices_are_separate_interactions_and_streaming_works(engine, tokeniz
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     with pytest.raises(ChatRequestError, match="n: must be in"):
         asyncio.run(client.chat.completions.create(messages=msgs, n=0))
+    with pytest.raises(ChatRequestError, match="top_logprobs: not available"):
+        asyncio.run(client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2))
+    assert len(client.interactions) == 4  # refused requests record nothing
 
 
 @pytest.mark.integration

@@ -56,6 +56,10 @@ def test_parser_is_picked_from_the_template():
             "tool_choice",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ],
 )
@@ -127,6 +131,48 @@ def test_logprobs_equal_the_native_generate_endpoint(client, server, tool_model_
     native_lps = [lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]]
     assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(native_lps, abs=1e-5)
     assert r.choices[0].message.content == native["text"]
+
+
+@pytest.mark.integration
+def test_top_logprobs_are_the_models_log_softmax(client, server, tool_model_dir):
+    """top_logprobs at temperature 1 = log_softmax of the model's logits (HF forward over prompt
+    + the sampled tokens, which the native endpoint reproduces from the same seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    ids = tok(tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]  # fmt: skip
+    k, seed = 5, 11
+    r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=8, temperature=1.0,
+                                       seed=seed, logprobs=True, top_logprobs=k)  # fmt: skip
+    choice_seed = parse_chat_request({"messages": HELLO, "seed": seed}).choice_seed(0)
+    native = requests.post(
+        f"{server.url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 1.0,
+              "sampling_seed": choice_seed}, "return_logprob": True},
+        headers=server.headers, timeout=120,
+    ).json()  # fmt: skip
+    out = native["output_ids"]
+    assert r.choices[0].message.content == native["text"]  # the same draw
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(out)
+    for pos, (entry, token) in enumerate(zip(content, out)):
+        values, top_ids = ref[pos].topk(k)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in top_ids]
+        assert entry.logprob == pytest.approx(ref[pos, token].item(), abs=1e-5)
+        if token in top_ids.tolist():  # the sampled token's entry carries its own logprob
+            listed = entry.top_logprobs[top_ids.tolist().index(token)]
+            assert listed.logprob == pytest.approx(entry.logprob, abs=1e-6)
+        else:
+            assert entry.logprob <= entry.top_logprobs[-1].logprob + 1e-6
+    plain = client.chat.completions.create(model="m", messages=HELLO, max_tokens=2, logprobs=True)
+    assert all(t.top_logprobs == [] for t in plain.choices[0].logprobs.content)
 
 
 @pytest.mark.integration
@@ -217,6 +263,7 @@ def test_tool_call_round_trip(client):
             ),
             "tool_choice",
         ),
+        (dict(messages=HELLO, logprobs=True, top_logprobs=99), "top_logprobs"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(client, server, kwargs, param):

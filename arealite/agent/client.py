@@ -22,6 +22,7 @@ from arealite.agent.interactions import ExportStyle, Interaction, InteractionTre
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from arealite.utils.openai_chat import (
     ChatRequest,
+    ChatRequestError,
     build_choice,
     completion_body,
     completion_chunks,
@@ -111,6 +112,12 @@ class TrainingOpenAIClient:
         body = {k: v for k, v in kwargs.items() if k not in _CALL_OPTIONS and k != "extra_body"}
         body.update(kwargs.get("extra_body") or {})
         req = parse_chat_request(body)
+        if req.top_logprobs:
+            raise ChatRequestError(
+                "top_logprobs",
+                "not available for training completions (engines return the sampled "
+                "token's logprob only); use logprobs=true",
+            )
         parser = tool_parser_for(self.tokenizer, req, self.tool_parser)
         prompt_text, prompt_ids = self._prompt(req)
         resps = await asyncio.gather(

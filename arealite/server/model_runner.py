@@ -37,6 +37,9 @@ class Sequence:
     finish_reason: dict | None = None
     weight_version: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # OpenAI `top_logprobs`: k most likely (token, logprob) per step, computed only when k > 0
+    top_logprobs: int = 0
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def rid(self) -> str:
@@ -208,8 +211,24 @@ class ModelRunner:
             logits, batch.sampling, self.generator, self._banned(batch.seqs, logits), positions
         )
         batch.last_tokens = tokens
+        self._record_top_logprobs(batch, logits)
         for s, t, lp in zip(batch.seqs, tokens.tolist(), logprobs.tolist()):
             s.append(t, lp)
+
+    def _record_top_logprobs(self, batch: _Batch, logits: torch.Tensor) -> None:
+        """The k most likely tokens of the distribution the logprobs describe, for the rows
+        that asked (OpenAI `top_logprobs`); rows that did not ask cost nothing."""
+        rows = [i for i, s in enumerate(batch.seqs) if s.top_logprobs > 0]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        temperature = batch.sampling.temperature[index][:, None]
+        logprobs = torch.log_softmax(logits[index].float() / temperature, dim=-1)
+        k = min(max(batch.seqs[i].top_logprobs for i in rows), logprobs.shape[-1])
+        values, ids = logprobs.topk(k, dim=-1)
+        for row, vals, toks in zip(rows, values.tolist(), ids.tolist()):
+            s = batch.seqs[row]
+            s.output_top_logprobs.append(list(zip(toks, vals))[: s.top_logprobs])
 
     def _banned(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
         """Stop tokens may not be drawn before a row's min_new_tokens (SGLang semantics)."""

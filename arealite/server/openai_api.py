@@ -50,10 +50,14 @@ def _openai_error(status: int, message: str, param: str | None = None) -> web.Re
 class _Choice:
     """One choice's generation; its tokens accumulate across resubmissions after aborts."""
 
-    def __init__(self, api: OpenAIChatAPI, prompt_ids: list[int], params: SamplingParams):
+    def __init__(
+        self, api: OpenAIChatAPI, prompt_ids: list[int], params: SamplingParams, top: int = 0
+    ):
         self.api, self.prompt_ids, self.params = api, prompt_ids, params
+        self.top = top  # top_logprobs asked for (0: none computed)
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish = "length"
         self.seq: Sequence | None = None
 
@@ -76,6 +80,7 @@ class _Choice:
                 return_logprob=True,
             )
             self.seq = seq = self.api.runner.new_sequence(req)
+            seq.top_logprobs = self.top
             fut = self.api.scheduler.submit(seq)
             try:
                 seq = await asyncio.wrap_future(fut)
@@ -84,6 +89,7 @@ class _Choice:
                 raise
             self.ids += seq.output_ids
             self.logprobs += seq.output_logprobs
+            self.top_logprobs += seq.output_top_logprobs
             self.seq = None
             self.finish = seq.finish_reason["type"]
             if self.finish != "abort" or not self.api.scheduler.paused:
@@ -129,7 +135,7 @@ class OpenAIChatAPI:
             return _openai_error(400, str(e), e.param)
         except BadRequest as e:
             return _openai_error(400, str(e), "body")
-        choices = [_Choice(self, prompt_ids, p) for p in params]
+        choices = [_Choice(self, prompt_ids, p, req.top_logprobs) for p in params]
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream and not (req.logprobs or parser):
             return await self._stream_incremental(request, req, choices, cid)
@@ -177,7 +183,7 @@ class OpenAIChatAPI:
         built, used = [], 0
         for i, c in enumerate(choices):
             choice, kept = build_choice(
-                self.runner.tokenizer, req, i, c.ids, c.logprobs, c.finish, parser
+                self.runner.tokenizer, req, i, c.ids, c.logprobs, c.finish, parser, c.top_logprobs
             )
             built.append(choice)
             used += kept

@@ -18,6 +18,7 @@ from typing import Any
 from arealite.utils.tool_calls import ToolParserError, parse_tool_calls, parser_for_template
 
 MAX_N = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields accepted only at their neutral value (honouring them is not implemented).
 _NEUTRAL = {
@@ -26,12 +27,11 @@ _NEUTRAL = {
     "parallel_tool_calls": (True,),
     "response_format": ({"type": "text"},),
     "logit_bias": ({},),
-    "top_logprobs": (0,),
 }
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options"}
 _KNOWN = {
     "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "max_tokens",
-    "max_completion_tokens", "n", "stop", "seed", "logprobs", "stream",
+    "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
 }  # fmt: skip
 
 
@@ -57,6 +57,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # most likely tokens per position (only with logprobs)
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
@@ -238,6 +239,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise ChatRequestError("logprobs", f"expected true or false, got {_dump(logprobs)}")
+    top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise ChatRequestError("top_logprobs", "needs logprobs: true")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ChatRequestError("stream", f"expected true or false, got {_dump(stream)}")
@@ -254,6 +258,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stop=_stop(body),
         seed=_integer(body, "seed", 0, (1 << 63) - 1),
         logprobs=bool(logprobs),
+        top_logprobs=top_logprobs,
         stream=bool(stream),
         include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
         model=body.get("model") if isinstance(body.get("model"), str) else None,
@@ -306,14 +311,28 @@ def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str], skip_special: 
 
 
 # ---- responses ------------------------------------------------------------------------------
-def token_logprobs(tokenizer: Any, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
-    """OpenAI `choice.logprobs`: one entry per generated token (top_logprobs not recorded)."""
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def _logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def token_logprobs(
+    tokenizer: Any,
+    ids: list[int],
+    logprobs: list[float],
+    top: list[TopLogprobs] | None = None,
+) -> dict[str, Any]:
+    """OpenAI `choice.logprobs`: one entry per generated token, with its `top` alternatives
+    when they were computed (`top_logprobs` requested), else an empty list."""
     content = []
-    for t, lp in zip(ids, logprobs):
-        text = tokenizer.decode([t])
-        content.append(
-            {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-        )
+    for i, (t, lp) in enumerate(zip(ids, logprobs)):
+        entry = _logprob_entry(tokenizer, t, lp)
+        alternatives = top[i] if top is not None and i < len(top) else []
+        entry["top_logprobs"] = [_logprob_entry(tokenizer, a, alp) for a, alp in alternatives]
+        content.append(entry)
     return {"content": content, "refusal": None}
 
 
@@ -325,6 +344,7 @@ def build_choice(
     output_logprobs: list[float],
     finish: str,
     parser: str | None,
+    output_top_logprobs: list[TopLogprobs] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """One OpenAI choice from generated tokens, and how many of them it keeps (stop strings
     end a choice at the token that completed them)."""
@@ -345,7 +365,9 @@ def build_choice(
         "message": message,
         "finish_reason": finish,
         "logprobs": (
-            token_logprobs(tokenizer, output_ids[:kept], output_logprobs[:kept])
+            token_logprobs(
+                tokenizer, output_ids[:kept], output_logprobs[:kept], output_top_logprobs
+            )
             if req.logprobs
             else None
         ),
