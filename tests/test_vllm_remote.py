@@ -211,6 +211,35 @@ def test_greedy_and_stop_token(engine, hf_models):
     assert stopped.output_tokens == [first] and stopped.stop_reason == "stop"
 
 
+def test_the_agents_training_client_runs_on_vllm(engine, hf_models, tiny_model_dir):
+    """The OpenAI-shaped training client works on the vLLM backend as on the embedded server:
+    a two-turn chat exports exactly the tokens vLLM generated, with its logprobs (= HF's)."""
+    from transformers import AutoTokenizer
+
+    from arealite.agent import TrainingOpenAIClient
+
+    temperature = 0.7
+    client = TrainingOpenAIClient(
+        engine, AutoTokenizer.from_pretrained(tiny_model_dir), gen(6, temperature=temperature)
+    )
+
+    async def chat():
+        messages = [{"role": "user", "content": "What is 4+4?"}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [r.choices[0].message, {"role": "user", "content": "Try again."}]
+
+    asyncio.run(chat())
+    first, second = client.interactions
+    assert second.parent is first and second.prompt_ids[: len(first.tokens)] == first.tokens
+    (row,) = client.export_samples("concat")
+    mask = row["loss_mask"].bool()
+    assert row["input_ids"][mask].tolist() == first.output_ids + second.output_ids
+    for it in (first, second):
+        ref = hf_logprobs(hf_models[0], it.prompt_ids, it.output_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(ref, it.output_logprobs)) < 1e-3
+
+
 def test_bad_requests_are_named_and_server_survives(engine, tiny_model_dir):
     from transformers import AutoConfig
 
