@@ -40,3 +40,20 @@ def tiny_vlm_dir_v2(tmp_path_factory) -> str:
     from arealite.testing.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(str(tmp_path_factory.mktemp("tiny_vlm_v2")), seed=2)
+
+
+@pytest.fixture
+def build_engine():
+    """`build_engine(cls, config, ft_spec=None)`: an initialised train engine (1 process),
+    destroyed when the test ends, so a failing test never leaks its process group."""
+    engines = []
+
+    def build(cls, config, ft_spec=None):
+        engine = cls(config)
+        engine.initialize(None, ft_spec)
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.destroy()

@@ -27,18 +27,11 @@ TOL = 1e-5
 
 
 @pytest.fixture
-def make_engine(tiny_model_dir):
-    engines = []
-
+def make_engine(tiny_model_dir, build_engine):
     def make(max_tokens=None, ft_spec=None, **kw):
-        e = FSDPEngine(engine_config(tiny_model_dir, max_tokens, **kw))
-        e.initialize(None, ft_spec)
-        engines.append(e)
-        return e
+        return build_engine(FSDPEngine, engine_config(tiny_model_dir, max_tokens, **kw), ft_spec)
 
-    yield make
-    for e in engines:
-        e.destroy()
+    return make
 
 
 def train_step(engine, batch):

@@ -42,18 +42,11 @@ def actor_config(model_dir, **kw) -> PPOActorConfig:
 
 
 @pytest.fixture
-def make_actor(tiny_model_dir):
-    engines = []
-
+def make_actor(tiny_model_dir, build_engine):
     def make(cls=FSDPPPOActor, config=None, **kw):
-        e = cls(config or actor_config(tiny_model_dir, **kw))
-        e.initialize(None, None)
-        engines.append(e)
-        return e
+        return build_engine(cls, config or actor_config(tiny_model_dir, **kw))
 
-    yield make
-    for e in engines:
-        e.destroy()
+    return make
 
 
 def group_adv(rewards, group_size):

@@ -10,19 +10,12 @@ from arealite.engine.sft.lm_engine import FSDPLMEngine
 
 
 @pytest.fixture
-def sft_engine(tiny_model_dir):
-    engines = []
-
+def sft_engine(tiny_model_dir, build_engine):
     def make(max_tokens=48, lr=3e-3):
         cfg = engine_config(tiny_model_dir, max_tokens, optimizer=OptimizerConfig(lr=lr))
-        e = FSDPLMEngine(cfg)
-        e.initialize(None, None)
-        engines.append(e)
-        return e
+        return build_engine(FSDPLMEngine, cfg)
 
-    yield make
-    for e in engines:
-        e.destroy()
+    return make
 
 
 def test_evaluate_equals_train_loss_before_the_update(sft_engine):
