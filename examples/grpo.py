@@ -27,6 +27,7 @@ from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from arealite.dataset import default_reward, is_vision_dataset, load_rows
 from arealite.engine import make_remote_engine
+from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.reward import make_reward_pool
@@ -230,6 +231,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             if accuracy_before is not None and global_step == 0:
                 stats["eval/accuracy_before_training"] = accuracy_before
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
+        if global_step == start:  # what the optimizer holds: every weight, or LoRA adapters
+            trainable, total = count_parameters(actor.model)
+            stats.update({"actor/trainable_params": trainable, "actor/total_params": total,
+                          "actor/optimizer_state_bytes": optimizer_state_bytes(actor.optimizer)})  # fmt: skip
         stats.update(stats_tracker.export())
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
         if hasattr(reward_pool, "component_stats"):  # a weighted sum: each reward's mean

@@ -102,7 +102,11 @@ class FSDPEngine(BaseHFEngine):
         DCP: sharded model (+ optimizer and LR schedule with `with_optim`) + RNG states."""
         self._require_model()
         if meta.weight_format == "hf":
-            self._save_hf(meta.path, meta.tokenizer, meta.base_model_path)
+            lora = self.config.lora
+            if lora is None or lora.save_merged:
+                self._save_hf(meta.path, meta.tokenizer, meta.base_model_path)
+            if lora is not None:  # the PEFT adapter beside (or instead of) the merged model
+                self.save_adapter(os.path.join(meta.path, "adapter"))
         else:
             self._save_dcp(meta.path, meta.with_optim)
 
@@ -248,6 +252,10 @@ class FSDPEngine(BaseHFEngine):
         if meta.type == "disk":
             self._save_hf(meta.path)
         elif meta.type == "nccl":
+            if self.config.lora is not None:
+                raise ValueError(
+                    "LoRA weights sync through disk (merged) only: use WeightUpdateMeta.from_disk"
+                )
             self._broadcast_weights(meta)
         else:
             raise ValueError(f"unknown weight update type {meta.type!r}")

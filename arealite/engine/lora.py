@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from arealite.api.lora_config import LoRAConfig
+from arealite.api.lora_config import LoRAConfig, raise_unmatched_targets
 
 logger = logging.getLogger("arealite.engine")
 
@@ -30,15 +30,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     """The PEFT model with adapters on `cfg.target_modules`; only adapters require grad."""
     from peft import LoraConfig, get_peft_model
 
-    names = [n for n, _ in model.named_modules()]
-    if not any(n.split(".")[-1] in cfg.target_modules for n in names):
-        leaves = sorted(
-            {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        )
-        raise ValueError(
-            f"lora.target_modules={cfg.target_modules} match no module of the model; its linear "
-            f"layers are {leaves}"
-        )
+    raise_unmatched_targets(cfg, model)  # peft would only say "not found"
     peft_cfg = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules), bias="none",
@@ -60,6 +52,19 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of optimizer state over all ranks (AdamW: exp_avg + exp_avg_sq per trained
+    parameter); sharded DTensor state counts its global size. 0 before the first step."""
+    if optimizer is None:
+        return 0
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def merge_lora_weights(full: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, torch.Tensor]:

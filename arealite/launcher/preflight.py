@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig, load_expr_config
+from arealite.api.lora_config import check_lora_models
 from arealite.api.reward_api import RewardSpecError, resolve_reward, reward_specs
 from arealite.api.rm_config import (
     BUILTIN_PREFERENCES,
@@ -221,6 +222,7 @@ def load_and_check(argv: list[str]):
     config = load_expr_config(script_args, config_cls)
     script_args = resolve_models(config, script_args)
     check_task(config)
+    check_lora_models(config)  # target_modules against the model's modules (meta device)
     return script, script_args, config
 
 
