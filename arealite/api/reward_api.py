@@ -10,7 +10,8 @@ A reward function scores ONE sampled completion:
   the exact token ids.
 - `**row`: every other column of the dataset row, by its canonical name (`answer`, `images`,
   `query_id`, `messages`, and the user's own columns). Take what you need, accept `**row`.
-- It may be `async def`. It runs in a worker process, so it must live at module level.
+- It may be `async def`. It runs in a worker process, so it must live at module level (or be a
+  picklable instance: a class with state subclasses `Reward` and implements `score`).
 - It returns a float. An exception, a non-finite value or a timeout
   (`rollout.reward_timeout`) scores 0 for that sample; the run goes on, the metrics count it
   (`rollout/errors`, `rollout/timeouts`) and the first traceback is logged.
@@ -39,8 +40,10 @@ import logging
 import os
 import sys
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("arealite.reward")
 
@@ -54,7 +57,22 @@ REWARD_MODEL_SCORER = ("arealite.reward.reward_model", "RewardModelScorer")
 CONTRACT_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")
 
 
-class RewardFn(Protocol):
+@dataclass(frozen=True)
+class RewardInput:
+    """One sampled completion, as a class-based reward scores it: the contract's arguments."""
+
+    prompt: str
+    completion: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    row: dict[str, Any]
+
+
+class Reward(ABC):
+    """Base of rewards written as classes (state that pickles to the worker: an extractor, a
+    model path): `__call__` is the contract's signature, written once here; a subclass
+    implements `score`. A plain function with the same signature needs no base class."""
+
     def __call__(
         self,
         prompt: str,
@@ -62,7 +80,12 @@ class RewardFn(Protocol):
         prompt_ids: list[int],
         completion_ids: list[int],
         **row: Any,
-    ) -> float: ...
+    ) -> float:
+        return self.score(RewardInput(prompt, completions, prompt_ids, completion_ids, row))
+
+    @abstractmethod
+    def score(self, sample: RewardInput) -> float:
+        """The reward of one sample."""
 
 
 class RewardSpecError(ValueError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from arealite.api.reward_api import Reward, RewardInput
+
 _INT = re.compile(r"-?\d+")
 
 
@@ -14,11 +16,11 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-class ExactMatchReward:
-    """reward(prompt, completions, prompt_ids, completion_ids, answer=..., **row) -> 1.0 if the
-    value `extract` finds in the completion equals the one in row["answer"], else 0.0.
+class ExactMatchReward(Reward):
+    """1.0 if the value `extract` finds in the completion equals the one in row["answer"],
+    else 0.0.
 
-    A class rather than one function per task so the contract's signature is written once; an
+    A class rather than one function per task so the task only names its extractor; an
     instance pickles (its extractor is a module-level function) for the reward worker processes.
     `strict`: the reference answer must be exactly the extracted value (e.g. "16", not "x=16").
     """
@@ -27,21 +29,14 @@ class ExactMatchReward:
         self.__name__ = self.name = name
         self.extract, self.strict, self.why = extract, strict, why
 
-    def __call__(
-        self,
-        prompt: str,
-        completions: str,
-        prompt_ids: list[int],
-        completion_ids: list[int],
-        answer: str | int | None = None,
-        **row,
-    ) -> float:
+    def score(self, sample: RewardInput) -> float:
+        answer = sample.row.get("answer")
         if answer is None:
             raise ValueError(f"{self.name} needs the dataset row's 'answer' field")
         gold = self.extract(str(answer))
         if gold is None or (self.strict and str(gold) != str(answer).strip()):
             raise ValueError(f"{self.name}: reference answer {answer!r} {self.why}")
-        return float(self.extract(completions) == gold)
+        return float(self.extract(sample.completion) == gold)
 
 
 # 1.0 if the completion's last integer equals row["answer"], else 0.0.

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
-from arealite.api.reward_api import RewardSpecError
+from arealite.api.reward_api import Reward, RewardInput, RewardSpecError
 
 
 def check_reward_model_dir(path: str) -> dict:
@@ -44,9 +43,8 @@ def check_reward_model_dir(path: str) -> dict:
     return config
 
 
-class RewardModelScorer:
-    """`scorer(prompt, completions, prompt_ids, completion_ids, **row) -> float`. Picklable:
-    only the path travels to the worker process, which loads the model on its first call."""
+class RewardModelScorer(Reward):
+    """The reward model's score of prompt ++ completion. Picklable: only the path travels to the worker process, which loads the model on its first call."""
 
     def __init__(self, model_dir: str):
         check_reward_model_dir(model_dir)
@@ -70,20 +68,14 @@ class RewardModelScorer:
         except (OSError, ValueError):
             self._eos = model.config.eos_token_id
 
-    def __call__(
-        self,
-        prompt: str,
-        completions: str,
-        prompt_ids: list[int],
-        completion_ids: list[int],
-        **row: Any,
-    ) -> float:
+    def score(self, sample: RewardInput) -> float:
         import torch
 
         if self._model is None:
             self._load()
-        ids = list(prompt_ids) + list(completion_ids)
-        if self._eos is not None and (not completion_ids or completion_ids[-1] != self._eos):
+        completion = list(sample.completion_ids)
+        ids = list(sample.prompt_ids) + completion
+        if self._eos is not None and completion[-1:] != [self._eos]:  # cut before its EOS
             ids.append(self._eos)
         vocab = self._model.config.vocab_size
         if max(ids) >= vocab:
