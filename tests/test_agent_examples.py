@@ -38,6 +38,39 @@ def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
     rows = [{"messages": [{"role": "user", "content": "625-648="}], "answer": "-23"}]
     ((ids, mask),) = agent_calculator.tool_traces(tok, rows)
     text, trained = tok.decode(ids), tok.decode([i for i, m in zip(ids, mask) if m])
-    assert '"expression": "625-648"' in text and "<tool_response>\n-23\n</tool_response>" in text
+    assert '"expr": "625-648"' in text and "<tool_response>\n-23\n</tool_response>" in text
     assert trained.startswith("<tool_call>") and trained.endswith("-23<|im_end|>")
     assert "tool_response" not in trained and "625-648=" not in trained
+
+
+def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path):
+    """The SFT runs the common system turn once per batch: same loss and gradients as padding
+    the full traces."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arealite.agent import install_chat_template
+
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, model_dir)
+    install_chat_template(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
+            for q, a in [("47*28=", "1316"), ("5-93=", "-88"), ("81+9=", "90")]]  # fmt: skip
+    traces = agent_calculator.tool_traces(tok, rows)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shared = agent_calculator.trace_loss(model, traces, tok.pad_token_id)
+    shared.backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    width = max(len(ids) for ids, _ in traces)
+    ids = torch.full((len(traces), width), tok.pad_token_id)
+    labels = torch.full((len(traces), width), -100)
+    for i, (x, mask) in enumerate(traces):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(x)] = torch.where(torch.tensor(mask).bool(), torch.tensor(x), -100)
+    padded = model(input_ids=ids, labels=labels).loss
+    padded.backward()
+    assert shared.item() == pytest.approx(padded.item(), abs=1e-6)
+    for a, p in zip(shared_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
