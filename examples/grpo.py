@@ -71,7 +71,8 @@ def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=Non
     executor = WorkflowExecutor(eval_cfg, engine)
     executor.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
-    pool = make_reward_pool(*reward_of(config), workers=1, timeout=config.rollout.reward_timeout)
+    reward = (config.eval_reward, None) if config.eval_reward else reward_of(config)
+    pool = make_reward_pool(*reward, workers=1, timeout=config.rollout.reward_timeout)
     workflow = workflow_cls(None, gconfig, processor or tokenizer, reward_pool=pool)
 
     def accuracy() -> float:
@@ -200,8 +201,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             if critic is not None:  # values before the update feed GAE and anchor the clip
                 batch["values"] = critic.compute_values(batch)
             adv_stats = actor.compute_advantages(batch)
-            stats = actor.ppo_update(batch)
-            actor.step_lr_scheduler()
+            stats = {}
+            if critic is None or global_step >= config.critic.warmup_steps:  # else critic only
+                stats = actor.ppo_update(batch)
+                actor.step_lr_scheduler()
             if critic is not None:
                 stats.update({f"ppo_critic/{k}": v for k, v in critic.ppo_update(batch).items()})
                 critic.step_lr_scheduler()

@@ -23,11 +23,12 @@ from arealite.api.cli_args import load_expr_config
 from arealite.api.io_struct import FinetuneSpec
 from arealite.api.rm_config import BUILTIN_PREFERENCES, RMConfig
 from arealite.engine.rm.preference_data import (
-    arith_preferences,
+    arith_preferences_from_options,
     collate_pairs,
     read_preference_rows,
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
+from arealite.reward.arith import arith_reward_fn
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
@@ -36,14 +37,21 @@ from arealite.utils import stats_tracker
 from arealite.utils.run_lock import claim_run_dir
 
 
+def is_correct_sum(answer_text: str, row: dict) -> bool:
+    """The exact verifier of the arithmetic task labels sampled negatives."""
+    return arith_reward_fn(row["prompt"], answer_text, [], [], answer=row["answer"]) == 1.0
+
+
 def preference_rows(cfg) -> list[dict]:
     if cfg.path != BUILTIN_PREFERENCES:
         return read_preference_rows(cfg.path)
-    o = dict(cfg.options)
-    return arith_preferences(
-        int(o.get("size", 4096)), cfg.split, int(o.get("seed", 0)), int(o.get("max_digits", 1)),
-        float(o.get("test_fraction", 0.2)), (int(o.get("min_offset", 10)), int(o.get("max_offset", 30))),
-    )  # fmt: skip
+    rows, sampled = arith_preferences_from_options(dict(cfg.options), cfg.split, is_correct_sum)
+    if sampled:
+        logging.getLogger("arealite.rm").info(
+            "%s: %.0f%% of %d pairs reject the sampling model's own wrong answer",
+            cfg.split, 100 * sampled, len(rows),
+        )  # fmt: skip
+    return rows
 
 
 def pair_loader(cfg, rank, world, tokenizer, seed, shuffle=None):

@@ -39,6 +39,10 @@ def test_ppo_preset_needs_a_critic_and_group_presets_refuse_one(tiny_model_dir):
     shipped = ["--config", "examples/configs/arith_ppo.yaml", f"actor.path={tiny_model_dir}",
                f"critic.path={tiny_model_dir}"]  # fmt: skip
     assert load_expr_config(shipped, GRPOConfig).critic is not None
+    with pytest.raises(ConfigError, match="critic.warmup_steps must be >= 0"):
+        load_expr_config(shipped + ["critic.warmup_steps=-1"], GRPOConfig)
+    with pytest.raises(ConfigError, match="critic.warmup_steps=5 >= total_train_steps=5"):
+        load_expr_config(shipped + ["critic.warmup_steps=5", "total_train_steps=5"], GRPOConfig)
 
 
 def test_critic_value_loss_falls_and_explained_variance_rises(tiny_model_dir):
@@ -96,13 +100,15 @@ def test_critic_on_two_gloo_ranks_matches_one_rank(tiny_model_dir, tmp_path):
 
 @pytest.mark.integration
 def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
-    """examples/grpo.py + arith_ppo.yaml, sync, 2 steps: the critic's value loss and explained
-    variance reach metrics.jsonl every step."""
+    """examples/grpo.py + arith_ppo.yaml, sync, 2 steps, the first a critic warm-up step: the
+    critic's value loss and explained variance reach metrics.jsonl every step, the actor
+    trains only after the warm-up."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
            "--config", "examples/configs/arith_ppo.yaml", f"cluster.fileroot={tmp_path}",
            f"actor.path={tiny_model_dir}", f"critic.path={tiny_model_dir}",
            "async_training=false", "rollout.max_head_offpolicyness=0", "total_train_steps=2",
+           "critic.warmup_steps=1",
            "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
            "valid_dataset.options.size=4", "evaluator.freq_steps=null"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -111,6 +117,7 @@ def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
     lines = open(tmp_path / "arith-ppo" / "demo" / "metrics.jsonl").read().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == 2
+    assert "loss" not in records[0] and "loss" in records[1]  # the actor's, after warm-up
     for r in records:
         ev = r["ppo_critic/explained_variance"]  # very negative for a fresh head: just finite
         assert r["ppo_critic/value_loss"] > 0 and math.isfinite(ev) and ev <= 1

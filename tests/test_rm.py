@@ -21,6 +21,7 @@ from arealite.api.rm_config import RMConfig
 from arealite.engine.rm.preference_data import (
     PreferenceFormatError,
     arith_preferences,
+    arith_preferences_from_options,
     collate_pairs,
     prompt_ids,
     read_preference_rows,
@@ -185,3 +186,39 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     assert records[-1]["rollout/errors"] == 0 and records[-1]["rollout/timeouts"] == 0, records
     assert records[-1]["rollout/ok"] >= 2 * 4 * 4, records  # every sample scored by the RM
     assert all(math.isfinite(r["ppo_actor/reward_raw"]) for r in records), records
+
+
+def test_arith_preferences_cover_the_policy_task_and_its_own_mistakes(tiny_model_dir):
+    """3-operand sums with near misses; sampled negatives are the model's wrong answers only
+    (labelled by the exact verifier), in the requested fraction of rows, the same on every
+    call (every rank builds the same rows)."""
+    from arealite.reward.arith import arith_reward_fn
+
+    def is_correct(text, row):
+        return arith_reward_fn(row["prompt"], text, [], [], answer=row["answer"]) == 1.0
+
+    opts = dict(size=40, n_operands=3, min_offset=1, max_offset=3)
+    rows, sampled = arith_preferences_from_options(opts, "train")
+    assert sampled == 0.0
+    for r in rows:
+        terms = [int(x) for x in r["prompt"].rstrip("=").split("+")]
+        assert len(terms) == 3 and r["chosen"] == r["answer"] == str(sum(terms))
+        assert 1 <= abs(int(r["rejected"]) - sum(terms)) <= 3
+    opts.update(sampled_negatives_from=tiny_model_dir, sampled_negatives_fraction=0.5)
+    mixed, sampled = arith_preferences_from_options(opts, "train", is_correct)
+    again, _ = arith_preferences_from_options(opts, "train", is_correct)
+    assert mixed == again and 0.2 < sampled < 0.8  # a random model is (almost) never right
+    swapped = [m for r, m in zip(rows, mixed) if m["rejected"] != r["rejected"]]
+    assert len(swapped) >= 0.9 * sampled * len(rows)
+    assert all(not is_correct(m["rejected"], m) for m in mixed)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['n_operand'\]"):
+        arith_preferences_from_options({"n_operand": 3}, "train")
+    with pytest.raises(ValueError, match="needs an exact verifier"):
+        arith_preferences_from_options(opts, "train")
+
+
+def test_rm_config_rejects_unknown_arith_preference_options(tiny_model_dir):
+    base = ["experiment_name=x", "trial_name=y", f"model.path={tiny_model_dir}",
+            "train_dataset.path=arith_preferences"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"train_dataset.options: unknown .*\['max_offest'\]"):
+        load_expr_config(base + ["train_dataset.options.max_offest=3"], RMConfig)

@@ -267,6 +267,19 @@ class PPOCriticConfig(TrainEngineConfig):
     is_critic: bool = True
     ppo_n_minibatches: int = 1
     value_eps_clip: float = field(default=0.2, metadata=_help("Value clipping epsilon."))
+    warmup_steps: int = field(
+        default=0,
+        metadata=_help(
+            "First RL steps in which only the critic trains (verl's critic_warmup): the actor "
+            "is not updated, so the values fit the initial policy's returns before they steer "
+            "it. Counts towards total_train_steps. Not the lr warmup of `optimizer`."
+        ),
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 # ----------------------------------------------------------------------------- rollout side
@@ -403,14 +416,23 @@ class GRPOConfig(BaseExperimentConfig):
     reward_weights: Optional[list[float]] = field(
         default=None, metadata=_help("Weights of a list of rewards (weighted sum); null = all 1.")
     )
+    eval_reward: Optional[str] = field(
+        default=None,
+        metadata=_help(
+            "Reward of the held-out evaluation (eval/accuracy); null = the training reward. "
+            "Name the exact verifier (e.g. arith) when training on a learned reward model, so "
+            "eval/accuracy is the true accuracy, not the score being optimised."
+        ),
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        if self.reward is not None or self.reward_weights is not None:
-            try:
-                reward_specs(self.reward, self.reward_weights)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        for reward, weights in ((self.reward, self.reward_weights), (self.eval_reward, None)):
+            if reward is not None or weights is not None:
+                try:
+                    reward_specs(reward, weights)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         if self.allocation.train_only:
             raise ConfigError(
                 f"allocation_mode={self.allocation_mode!r}: GRPO needs inference servers, e.g. "
@@ -429,6 +451,12 @@ class GRPOConfig(BaseExperimentConfig):
             raise ConfigError(
                 f"critic is set but actor.preset={self.actor.preset!r} uses a group-mean "
                 "baseline, not values: drop critic or use preset ppo"
+            )
+        steps = self.total_train_steps
+        if self.critic is not None and steps is not None and self.critic.warmup_steps >= steps:
+            raise ConfigError(
+                f"critic.warmup_steps={self.critic.warmup_steps} >= total_train_steps={steps}: "
+                "the actor would never train"
             )
         self._check_consumer_batch_size()
         if self.actor.kl_ctl > 0 and self.ref is None:

@@ -12,6 +12,16 @@ from arealite.api.config_loader import ConfigError, help_text
 
 BUILTIN_PREFERENCES = "arith_preferences"
 PAIR_FIELDS = ("chosen", "rejected")
+# Options of the built-in `arith_preferences` data (dataset `options:`) and their defaults:
+# n_operands terms of max_digits digits; wrong answers off by min_offset..max_offset;
+# sampled_negatives_from: a model dir whose own wrong samples (sampled_negatives_n per prompt,
+# labelled by the exact verifier) replace the synthetic rejected answers of a
+# sampled_negatives_fraction of the rows.
+ARITH_PREFERENCE_OPTIONS: dict[str, Any] = dict(
+    size=4096, seed=0, max_digits=1, n_operands=2, test_fraction=0.2, min_offset=10,
+    max_offset=30, sampled_negatives_from=None, sampled_negatives_n=4,
+    sampled_negatives_fraction=1.0,
+)  # fmt: skip
 
 
 class PreferenceFormatError(ValueError):
@@ -70,7 +80,7 @@ def is_preference_data(path: str) -> bool:
 class RMConfig(BaseExperimentConfig):
     """Bradley-Terry reward model on preference pairs. `train_dataset.path`: a jsonl of
     {prompt | messages, chosen, rejected}, or `arith_preferences` (synthetic, generated offline;
-    options: size, seed, max_digits, min_offset, max_offset, test_fraction)."""
+    options: ARITH_PREFERENCE_OPTIONS)."""
 
     model: TrainEngineConfig = field(
         default_factory=lambda: TrainEngineConfig(is_critic=True),
@@ -96,3 +106,10 @@ class RMConfig(BaseExperimentConfig):
                     f"{key}.path={ds.path!r}: expected a .jsonl of preference rows or "
                     f"{BUILTIN_PREFERENCES!r}"
                 )
+            if ds is not None and ds.path == BUILTIN_PREFERENCES:
+                unknown = sorted(set(ds.options or {}) - set(ARITH_PREFERENCE_OPTIONS))
+                if unknown:
+                    raise ConfigError(
+                        f"{key}.options: unknown {BUILTIN_PREFERENCES} option(s) {unknown}; "
+                        f"allowed: {sorted(ARITH_PREFERENCE_OPTIONS)}"
+                    )

@@ -4,9 +4,12 @@ A row is `{"prompt": str | "messages": [...], "chosen": str, "rejected": str}` (
 becomes ONE training row `prompt ++ chosen ++ EOS ++ prompt ++ rejected ++ EOS` cut at
 `chosen_len` (see reward_model.py), the prompt chat-templated as the policy would see it.
 
-`arith_preferences` writes the synthetic task offline: for an expression "a+b", the correct
-sum is chosen and a wrong one (off by 1..9) rejected; train and held-out rows never share an
-expression (split by a fixed hash, like the arithmetic RL task).
+`arith_preferences` writes the synthetic task offline: for an expression "a+b" (or "a+b+c",
+`n_operands`), the correct sum is chosen and a wrong one (off by `offsets`) rejected; train and
+held-out rows never share an expression (the arithmetic RL task's hash split, so an RM's held-out
+expressions are the policy's). `with_sampled_negatives` swaps in the policy's OWN wrong answers
+(sampled from a model, labelled by an exact verifier): an RM that has seen only synthetic
+mistakes is gamed by the mistakes the policy actually makes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from arealite.api.rm_config import (  # noqa: F401  the row format is the contract; re-exported
+    ARITH_PREFERENCE_OPTIONS,
     PAIR_FIELDS,
     PreferenceFormatError,
     check_preference_row,
@@ -66,30 +70,125 @@ def arith_preferences(
     max_digits: int = 1,
     test_fraction: float = 0.2,
     offsets: tuple[int, int] = (1, 9),
+    n_operands: int = 2,
 ) -> list[dict[str, str]]:
-    """`n` preference rows on "a+b=": the correct sum chosen, a wrong one (off by
-    `offsets` = (min, max) in either direction) rejected.
+    """`n` preference rows on "a+b=" (`n_operands` terms): the correct sum chosen, a wrong one
+    (off by `offsets` = (min, max) in either direction) rejected. Rows carry `answer`.
 
     test_fraction > 0 holds out whole expressions (generalising the sum, which a randomly
     initialised tiny model does not learn in minutes); test_fraction = 0 draws both splits from
     all expressions with different seeds (held-out pairs, seen expressions)."""
+    if n_operands < 2 or not 1 <= offsets[0] <= offsets[1]:
+        raise ValueError(f"n_operands must be >= 2 and 1 <= min_offset <= max_offset, got "
+                         f"n_operands={n_operands}, offsets={offsets}")  # fmt: skip
     rng = random.Random(f"{seed}-{split}")
     held_out = split != "train"
     hi = 10**max_digits - 1
     rows = []
     while len(rows) < n:
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
-        expr = f"{a}+{b}"
+        terms = [rng.randint(0, hi) for _ in range(n_operands)]
+        expr, total = "+".join(map(str, terms)), sum(terms)
         if test_fraction > 0 and _held_out(expr, test_fraction) != held_out:
             continue
         lo, hi_off = offsets
-        deltas = [d for d in range(-hi_off, hi_off + 1) if abs(d) >= lo and a + b + d >= 0]
-        wrong = a + b + rng.choice(deltas)
-        rows.append({"prompt": f"{expr}=", "chosen": str(a + b), "rejected": str(wrong)})
+        deltas = [d for d in range(-hi_off, hi_off + 1) if abs(d) >= lo and total + d >= 0]
+        wrong = total + rng.choice(deltas)
+        rows.append({"prompt": f"{expr}=", "chosen": str(total), "rejected": str(wrong),
+                     "answer": str(total)})  # fmt: skip
     return rows
+
+
+@torch.no_grad()
+def sample_answers(
+    model: Any, tokenizer: Any, prompts: list[str], n_samples: int, max_new_tokens: int = 8
+) -> list[list[str]]:
+    """`n_samples` answers per prompt, sampled at temperature 1 (as GRPO's rollouts are), in
+    batches of equal-length prompts (no padding to get wrong)."""
+    by_len: dict[int, list[int]] = {}
+    ids = [prompt_ids(tokenizer, {"prompt": p}) for p in prompts]
+    for i, p in enumerate(ids):
+        by_len.setdefault(len(p), []).append(i)
+    out: list[list[str]] = [[] for _ in prompts]
+    eos = tokenizer.eos_token_id
+    for idx in by_len.values():
+        for start in range(0, len(idx), 256):
+            chunk = idx[start : start + 256]
+            batch = torch.tensor([ids[i] for i in chunk])
+            gen = model.generate(
+                batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n_samples,
+                eos_token_id=eos, pad_token_id=eos,
+            )  # fmt: skip
+            for j, seq in enumerate(gen[:, batch.shape[1] :].tolist()):
+                seq = seq[: seq.index(eos)] if eos in seq else seq
+                out[chunk[j // n_samples]].append(tokenizer.decode(seq, skip_special_tokens=True))
+    return out
+
+
+def with_sampled_negatives(
+    rows: list[dict],
+    model: Any,
+    tokenizer: Any,
+    is_correct: Any,
+    n_samples: int = 4,
+    fraction: float = 1.0,
+) -> tuple[list[dict], float]:
+    """`rows` with `rejected` replaced by one of the model's own WRONG sampled answers to the
+    same prompt (`is_correct(answer_text, row)` is the exact verifier), in a random `fraction`
+    of the rows; the others, and rows whose samples were all right, keep their synthetic
+    rejected answer. Returns (rows, fraction replaced)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"sampled_negatives_fraction must be in [0, 1], got {fraction}")
+    rng = random.Random(0)
+    chosen = [i for i in range(len(rows)) if rng.random() < fraction]
+    samples = dict(
+        zip(
+            chosen, sample_answers(model, tokenizer, [rows[i]["prompt"] for i in chosen], n_samples)
+        )
+    )
+    out, replaced = [], 0
+    for i, row in enumerate(rows):
+        wrong = [a for a in samples.get(i, []) if not is_correct(a, row)]  # empty answers too
+        if wrong:
+            row, replaced = {**row, "rejected": rng.choice(wrong)}, replaced + 1
+        out.append(row)
+    return out, replaced / max(len(rows), 1)
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+
+
+def arith_preferences_from_options(
+    options: dict, split: str, is_correct: Any = None
+) -> tuple[list[dict], float]:
+    """The built-in preference rows of a dataset config's `options`, checked (an unknown key
+    fails naming it). `sampled_negatives_from: <model dir>` (e.g. the SFT checkpoint the policy
+    starts from) swaps in that model's own wrong answers, labelled by `is_correct`. Returns
+    (rows, fraction of rows with a sampled negative)."""
+    unknown = sorted(set(options) - set(ARITH_PREFERENCE_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"arith_preferences: unknown option(s) {unknown}; allowed: {sorted(ARITH_PREFERENCE_OPTIONS)}"
+        )
+    o = {**ARITH_PREFERENCE_OPTIONS, **options}
+    rows = arith_preferences(
+        int(o["size"]), split, int(o["seed"]), int(o["max_digits"]), float(o["test_fraction"]),
+        (int(o["min_offset"]), int(o["max_offset"])), int(o["n_operands"]),
+    )  # fmt: skip
+    if not o["sampled_negatives_from"]:
+        return rows, 0.0
+    if is_correct is None:
+        raise ValueError("arith_preferences: sampled_negatives_from needs an exact verifier")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(o["sampled_negatives_from"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(o["seed"]) + (split != "train"))  # the same rows on every rank
+        return with_sampled_negatives(
+            rows, model, AutoTokenizer.from_pretrained(path), is_correct,
+            int(o["sampled_negatives_n"]), float(o["sampled_negatives_fraction"]),
+        )  # fmt: skip
