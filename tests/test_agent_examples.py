@@ -17,7 +17,7 @@ import agent_calculator  # noqa: E402
 
 @pytest.mark.parametrize(
     "expression, value",
-    [("625-648", "-23"), ("2+3*4-5", "9"), ("347*28", "9716"), (" 12 * 3 ", "36")],
+    [("625-648", "-0023"), ("2+3*4-5", "+0009"), ("07*28", "+0196"), (" 12 * 3 ", "+0036")],
 )
 def test_calculator_evaluates_integer_expressions(expression, value):
     assert agent_calculator.calculator(expression) == value
@@ -35,12 +35,13 @@ def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, model)
     install_chat_template(model)
     tok = AutoTokenizer.from_pretrained(model)
-    rows = [{"messages": [{"role": "user", "content": "625-648="}], "answer": "-23"}]
+    rows = [{"messages": [{"role": "user", "content": "6-48="}], "answer": "-42"}]
     ((ids, mask),) = agent_calculator.tool_traces(tok, rows)
     text, trained = tok.decode(ids), tok.decode([i for i, m in zip(ids, mask) if m])
-    assert '"expr": "625-648"' in text and "<tool_response>\n-23\n</tool_response>" in text
-    assert trained.startswith("<tool_call>") and trained.endswith("-23<|im_end|>")
-    assert "tool_response" not in trained and "625-648=" not in trained
+    assert "06-48=" in text  # operands at a fixed width
+    assert '"expr": "06-48"' in text and "<tool_response>\n-0042\n</tool_response>" in text
+    assert trained.startswith("<tool_call>") and trained.endswith("-0042<|im_end|>")
+    assert "tool_response" not in trained and "06-48=" not in trained
 
 
 def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path):
