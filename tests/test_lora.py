@@ -16,6 +16,7 @@ import pytest
 import requests
 import torch
 from _torchrun_fsdp import engine_config, make_batch, train_variant
+from tensordict import TensorDict
 from test_ppo_critic import run_two_gloo_ranks
 from transformers import AutoModelForCausalLM
 
@@ -183,8 +184,6 @@ def test_bad_lora_config_stops_the_launcher_before_any_server(tiny_model_dir, tm
 def test_server_logprobs_after_merged_sync_equal_the_trainer(lora_engine, tmp_path):
     """The embedded server (a real process) reloads the merged weights the LoRA trainer
     uploads; its sampling logprobs then equal the trainer's (they differ before the sync)."""
-    from tensordict import TensorDict
-
     from arealite.server.process import launch_server
 
     engine = lora_engine()
@@ -210,6 +209,50 @@ def test_server_logprobs_after_merged_sync_equal_the_trainer(lora_engine, tmp_pa
         assert max_logprob_gap() < 1e-4
         with pytest.raises(ValueError, match="LoRA weights sync through disk"):
             engine.upload_weights(WeightUpdateMeta.from_nccl("127.0.0.1", 1, version=2))
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_saved_adapter_loads_into_vllm_with_the_trainers_logprobs(lora_engine, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """The PEFT adapter `save_adapter` writes loads into a real vLLM server at runtime
+    (`--enable-lora`, POST /v1/load_lora_adapter); sampling with it gives the trainer's
+    logprobs, while the base model's differ."""
+    from test_vllm_remote import VLLMServer, vllm_unavailable
+
+    why = vllm_unavailable()
+    if why:
+        pytest.skip(why)
+    engine = lora_engine()
+    for seed in range(3):
+        engine.train_lm(make_batch(n=4, seed=seed))
+    engine.save_adapter(str(tmp_path / "adapter"))
+    prompt = make_batch(n=1, seed=9)["input_ids"][0, :6].tolist()
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    server = VLLMServer(engine.config.path, ("--enable-lora", "--max-lora-rank", "8"))
+    url = f"http://{server.address}"
+    try:
+        server.wait_healthy(timeout=420)
+        load = {"lora_name": "policy", "lora_path": str(tmp_path / "adapter")}
+        r = requests.post(f"{url}/v1/load_lora_adapter", json=load, timeout=300)
+        assert r.status_code == 200, r.text
+
+        def logprob_gap(model: str) -> float:
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
+                    "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
+            r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            out = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+            ids = torch.tensor([prompt + out])
+            td = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [1])
+            trainer = engine.compute_logprobs(td)[0, len(prompt) :]
+            return (trainer - torch.tensor(lp["token_logprobs"])).abs().max().item()
+
+        assert logprob_gap("policy") < 1e-3
+        assert logprob_gap(engine.config.path) > 1e-2  # the base weights, no adapter
+    finally:
+        server.stop()
 
 
 @pytest.mark.integration

@@ -48,13 +48,13 @@ def vllm_unavailable() -> str | None:
 class VLLMServer:
     """A vLLM server in its own process group (api server + EngineCore + worker)."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, extra_args: tuple[str, ...] = ()):
         self.port = find_free_port()
         cfg = ServerConfig(
             model_path=model_path,
             dtype="float32",  # bfloat16 misses the 1e-3 logprob agreement with HF float32
             context_length=1024,
-            extra_args=["--kv-cache-memory-bytes", "128M"],
+            extra_args=["--kv-cache-memory-bytes", "128M", *extra_args],
         )
         cmd, env = server_command("vllm", cfg, "127.0.0.1", self.port, 1, [], on_gpu=False)
         cmd[0] = VLLM_PYTHON

@@ -1,12 +1,12 @@
 """LoRA through `peft`: adapters on an HF model before FSDP2 shards it, and the two ways weights
 leave the trainer.
 
-- Servers and HF exports get MERGED weights (W + alpha/r * B A, base names): every backend
-  (embedded, SGLang, vLLM) loads them as a plain checkpoint. SGLang and vLLM can also load
-  PEFT adapters (`--enable-lora` / LoRA requests); the embedded server cannot, so the sync
-  path stays merged for all.
+- Weight sync and the merged export get MERGED weights (W + alpha/r * B A, base names): a plain
+  checkpoint that every backend (embedded, SGLang, vLLM) reloads the usual way. The embedded
+  server cannot load adapters, so the sync path stays merged for all backends.
 - `save_adapter` writes the adapter in PEFT format (adapter_config.json +
-  adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, path)`.
+  adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, path)` and by
+  vLLM's runtime adapter loading (`--enable-lora`, POST /v1/load_lora_adapter; tested).
 Recovery (DCP) saves the whole PEFT model and the optimizer, which covers the adapters only.
 """
 
