@@ -15,7 +15,13 @@ import torch
 from _torchrun_fsdp import engine_config
 from transformers import AutoTokenizer
 
-from arealite.api.cli_args import ConfigError, OptimizerConfig, SFTConfig, load_expr_config
+from arealite.api.cli_args import (
+    ConfigError,
+    GRPOConfig,
+    OptimizerConfig,
+    SFTConfig,
+    load_expr_config,
+)
 from arealite.api.reward_api import RewardSpecError, resolve_reward
 from arealite.api.rm_config import RMConfig
 from arealite.engine.rm.preference_data import (
@@ -179,10 +185,13 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
            f"reward={rm_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
            "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "actor.group_size=4",
            "train_dataset.options.n_operands=2", "valid_dataset.options.size=8",
-           "valid_dataset.options.n_operands=2", "evaluator.freq_steps=null")  # fmt: skip
+           "valid_dataset.options.n_operands=2", "evaluator.freq_steps=null",
+           "eval_reward=arith")  # fmt: skip
     lines = open(f"{root}/arith-grpo/demo/metrics.jsonl").read().splitlines()
     records = [r for r in map(json.loads, lines) if "ppo_actor/reward_raw" in r]
     assert len(records) == 2, lines
+    before = records[0]["eval/accuracy_before_training"]  # the exact verifier's, not the RM's
+    assert 0 <= before <= 1 and (before * 8) == pytest.approx(round(before * 8)), before
     assert records[-1]["rollout/errors"] == 0 and records[-1]["rollout/timeouts"] == 0, records
     assert records[-1]["rollout/ok"] >= 2 * 4 * 4, records  # every sample scored by the RM
     assert all(math.isfinite(r["ppo_actor/reward_raw"]) for r in records), records
@@ -215,6 +224,13 @@ def test_arith_preferences_cover_the_policy_task_and_its_own_mistakes(tiny_model
         arith_preferences_from_options({"n_operand": 3}, "train")
     with pytest.raises(ValueError, match="needs an exact verifier"):
         arith_preferences_from_options(opts, "train")
+
+
+def test_grpo_eval_reward_is_checked_like_reward(tiny_model_dir):
+    base = ["experiment_name=x", "trial_name=y", f"actor.path={tiny_model_dir}"]
+    assert load_expr_config(base + ["eval_reward=arith"], GRPOConfig).eval_reward == "arith"
+    with pytest.raises(ConfigError, match="reward must be a name/spec"):
+        load_expr_config(base + ["eval_reward=''"], GRPOConfig)
 
 
 def test_rm_config_rejects_unknown_arith_preference_options(tiny_model_dir):
