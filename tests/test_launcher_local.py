@@ -38,11 +38,11 @@ def sft_args(tmp_path, tiny_model_dir):
     ],
 )
 def test_bad_config_fails_fast_before_starting(sft_args, tmp_path, override, needle):
-    p, secs = launch([*sft_args, override])
+    p, _ = launch([*sft_args, override])
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr
-    assert secs < 5, f"config error took {secs:.1f}s"
-    assert not (tmp_path / "probe" / "t" / "logs").exists()  # nothing was started
+    # Fast means before anything starts (no wall-clock bound: CI machines are loaded).
+    assert not (tmp_path / "probe" / "t" / "logs").exists()
 
 
 def test_missing_script_named(tmp_path):
