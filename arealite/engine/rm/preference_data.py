@@ -141,11 +141,8 @@ def with_sampled_negatives(
         raise ValueError(f"sampled_negatives_fraction must be in [0, 1], got {fraction}")
     rng = random.Random(0)
     chosen = [i for i in range(len(rows)) if rng.random() < fraction]
-    samples = dict(
-        zip(
-            chosen, sample_answers(model, tokenizer, [rows[i]["prompt"] for i in chosen], n_samples)
-        )
-    )
+    prompts = [rows[i]["prompt"] for i in chosen]
+    samples = dict(zip(chosen, sample_answers(model, tokenizer, prompts, n_samples)))
     out, replaced = [], 0
     for i, row in enumerate(rows):
         wrong = [a for a in samples.get(i, []) if not is_correct(a, row)]  # empty answers too
@@ -170,9 +167,8 @@ def arith_preferences_from_options(
     (rows, fraction of rows with a sampled negative)."""
     unknown = sorted(set(options) - set(ARITH_PREFERENCE_OPTIONS))
     if unknown:
-        raise ValueError(
-            f"arith_preferences: unknown option(s) {unknown}; allowed: {sorted(ARITH_PREFERENCE_OPTIONS)}"
-        )
+        allowed = sorted(ARITH_PREFERENCE_OPTIONS)
+        raise ValueError(f"arith_preferences: unknown option(s) {unknown}; allowed: {allowed}")
     o = {**ARITH_PREFERENCE_OPTIONS, **options}
     rows = arith_preferences(
         int(o["size"]), split, int(o["seed"]), int(o["max_digits"]), float(o["test_fraction"]),
