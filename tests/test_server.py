@@ -517,3 +517,38 @@ def test_sampling_truncation_and_logprobs():
 def test_launch_server_reports_startup_failure_with_log_tail(tmp_path):
     with pytest.raises(RuntimeError, match="is not a directory"):
         launch_server(str(tmp_path / "no_model"), timeout=60)
+
+
+@pytest.mark.integration
+def test_a_request_aborted_before_it_starts_reports_the_served_weight_version(
+    server, tiny_model_dir
+):
+    """An abort answer without tokens still says which weights the server serves (clients
+    compare it with what they loaded to detect a restarted server: 0 here was a false alarm)."""
+    served = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
+    version = served["weight_version"] + 3
+    body = {"model_path": tiny_model_dir, "weight_version": version}
+    assert post(server, "/update_weights_from_disk", body)[0] == 200
+
+    async def scenario():
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.post(f"{server.url}/pause_generation") as r:
+                assert r.status == 200
+            req = {
+                "rid": "queued",
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 4},
+            }
+            queued = asyncio.create_task(s.post(f"{server.url}/generate", json=req))
+            await asyncio.sleep(0.5)  # it waits behind the pause
+            async with s.post(f"{server.url}/abort_request", json={"rid": "queued"}) as r:
+                assert r.status == 200
+            async with await asyncio.wait_for(queued, 30) as r:
+                answer = await r.json()
+            async with s.post(f"{server.url}/continue_generation") as r:
+                assert r.status == 200
+            return answer
+
+    meta = asyncio.run(scenario())["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
+    assert meta["weight_version"] == version

@@ -272,7 +272,8 @@ class RemoteInferenceEngine(InferenceEngine):
             body, addr = await self.pool.post_with_failover(req.rid, path, payload)
             chunk = self.parse_generate_response(body)
             self.counters["generate_calls"] += 1
-            if chunk.version is None or chunk.version >= expected:
+            # Judged on tokens only: an answer without any has nothing stale to keep out.
+            if not chunk.output_tokens or chunk.version is None or chunk.version >= expected:
                 return chunk, addr
             reason = f"it serves weights v{chunk.version}, older than v{expected} (restarted?)"
             self.pool.mark_failed(addr, reason)

@@ -192,8 +192,9 @@ class Scheduler:
         """Under the lock: collect waiting and running sequences that must end now as aborted."""
         aborted = self._to_abort_waiting
         self._to_abort_waiting = []
-        for s in aborted:
+        for s in aborted:  # no tokens: the answer reports the weights this server serves now
             s.finish_reason = {"type": "abort", "message": "aborted before it started"}
+            s.weight_version = self.weight_version
         if self._abort_all or self._abort_rids or self._abort_ids:
             every, rids, ids = self._abort_all, self._abort_rids, self._abort_ids
             aborted += self.runner.abort(
