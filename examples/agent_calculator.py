@@ -114,7 +114,9 @@ class ScriptedTeacher:
 
         text = self.tokenizer.decode(req.input_ids)
         last_user = text.rsplit("<|im_start|>user\n", 1)[-1]
-        if "<tool_response>" in last_user:
+        if "<tools>" not in text:  # the copy drill: repeat the last user message
+            reply = last_user.split("<|im_end|>")[0].rstrip("=")
+        elif "<tool_response>" in last_user:
             reply = last_user.split("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
         else:
             question = last_user.split("<|im_end|>")[0].rstrip("=")
@@ -125,15 +127,29 @@ class ScriptedTeacher:
                              output_logprobs=[0.0] * len(ids), output_versions=[0] * len(ids))  # fmt: skip
 
 
-def tool_traces(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) of the teacher's conversation on each row."""
+async def copy_drill(client, row: dict) -> float:
+    """The SFT's first stage: repeat the question, then a tool result, without tools. The tiny
+    model learns to copy digits here (short, cheap sequences) before the tool traces."""
+    question = fixed_width(row["messages"][-1]["content"])
+    r = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": question}]
+    )
+    result = calculator(question.rstrip("="))
+    messages = [{"role": "user", "content": question}, r.choices[0].message,
+                {"role": "user", "content": result}]  # fmt: skip
+    r = await client.chat.completions.create(model="policy", messages=messages)
+    return float(r.choices[0].message.content == result)
+
+
+def tool_traces(tokenizer, rows: list[dict], agent=solve) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of the teacher's conversation with `agent` on each row."""
     from arealite.agent import TrainingOpenAIClient
     from arealite.api.io_struct import GenerationHyperparameters
 
     async def one(row):
         client = TrainingOpenAIClient(ScriptedTeacher(tokenizer), tokenizer,
                                       GenerationHyperparameters(max_new_tokens=64))  # fmt: skip
-        assert await solve(client, row) == 1.0, row
+        assert await agent(client, row) == 1.0, row
         td = client.export_samples("concat")
         n = int(td["attention_mask"][0].sum())
         return td["input_ids"][0, :n].tolist(), td["loss_mask"][0, :n].tolist()
@@ -170,39 +186,57 @@ def trace_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int):
     return model(input_ids=ids, position_ids=positions, past_key_values=cache, labels=labels).loss
 
 
-def sft(base: str, out: str, steps: int, batch_size: int, lr: float, seed: int) -> None:
-    """Copy `base`, install a tool-aware chat template, fit `steps` batches of tool traces."""
+def sft(a: argparse.Namespace) -> None:
+    """Copy `base`, install a tool-aware chat template, then two stages: `a.copy_steps` batches
+    of the copy drill (the tiny model learns to copy digits by position), then `a.steps`
+    batches of tool traces, each with a replayed drill batch (without it the new format
+    overwrites the copying; the trace stage's lower lr helps the same way)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from arealite.agent import install_chat_template
     from arealite.dataset.arith import generate_arith_problems
 
-    shutil.copytree(base, out, dirs_exist_ok=True)
+    out = a.out
+    shutil.copytree(a.base, out, dirs_exist_ok=True)
     install_chat_template(out)
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    problems = generate_arith_problems(steps * batch_size, seed, "train", **TASK)
-    rows = [{"messages": [{"role": "user", "content": f"{e}="}], "answer": str(v)}
-            for e, v in problems]  # fmt: skip
-    traces = tool_traces(tokenizer, rows)
-    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(out)
+
+    def rows(n: int, seed: int) -> list[dict]:
+        return [{"messages": [{"role": "user", "content": f"{e}="}], "answer": str(v)}
+                for e, v in generate_arith_problems(n, seed, "train", **TASK)]  # fmt: skip
+
+    drills = tool_traces(tok, rows(a.copy_steps * a.copy_batch_size, a.seed + 1), copy_drill)
+    traces = tool_traces(tok, rows(a.steps * a.batch_size, a.seed))
+    torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    for step in range(a.copy_steps):
+        batch = drills[step * a.copy_batch_size : (step + 1) * a.copy_batch_size]
+        _sgd_step(opt, trace_loss(model, batch, tok.pad_token_id), "copy drill", step, a.copy_steps)
+    for group in opt.param_groups:
+        group["lr"] = a.trace_lr
     # cosine decay: the copy skill sharpens at the end instead of jittering at a high lr
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))
+        opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * s / a.steps))
     )
-    for step in range(steps):
-        loss = trace_loss(model, traces[step * batch_size : (step + 1) * batch_size],
-                          tokenizer.pad_token_id)  # fmt: skip
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    for step in range(a.steps):
+        batch = traces[step * a.batch_size : (step + 1) * a.batch_size]
+        at = (step * a.batch_size) % len(drills)
+        loss = trace_loss(model, batch, tok.pad_token_id)
+        replay = trace_loss(model, drills[at : at + a.batch_size], tok.pad_token_id)
+        _sgd_step(opt, loss + replay, "tool traces (+ drill)", step, a.steps)
         sched.step()
-        if step % 10 == 0 or step == steps - 1:
-            print(f"sft step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
     model.save_pretrained(out, safe_serialization=True)
     print(f"tool-trace SFT model: {out}", flush=True)
+
+
+def _sgd_step(opt, loss, stage: str, step: int, steps: int) -> None:
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step % 20 == 0 or step == steps - 1:
+        print(f"sft {stage} step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
 
 
 # ---- GRPO -------------------------------------------------------------------------------------
@@ -222,12 +256,15 @@ def main() -> None:
         p.add_argument("phase")
         p.add_argument("--base", required=True, help="model dir (e.g. the tiny model)")
         p.add_argument("--out", required=True, help="where the warm-started model goes")
-        p.add_argument("--steps", type=int, default=200)
+        p.add_argument("--copy-steps", type=int, default=300, help="copy-drill batches")
+        p.add_argument("--copy-batch-size", type=int, default=64)
+        p.add_argument("--steps", type=int, default=150, help="tool-trace batches")
         p.add_argument("--batch-size", type=int, default=16)
-        p.add_argument("--lr", type=float, default=3e-3)
+        p.add_argument("--lr", type=float, default=3e-3, help="copy-drill lr")
+        p.add_argument("--trace-lr", type=float, default=1e-3, help="tool-trace lr (cosine)")
         p.add_argument("--seed", type=int, default=1)
         a = p.parse_args()
-        sft(a.base, a.out, a.steps, a.batch_size, a.lr, a.seed)
+        sft(a)
         return
     grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
     grpo_main(sys.argv[1:], workflow_cls=make_workflow)

@@ -3,7 +3,7 @@
 #   examples/run_agent_demo.sh arith [RUN_ROOT]       multi-turn agent (openai SDK only) through
 #       the AgentProxy: arithmetic SFT warm start (as in `make demo`), then GRPO
 #   examples/run_agent_demo.sh calculator [RUN_ROOT]  tool-using agent in process (AgentWorkflow):
-#       SFT on synthetic calculator traces, then GRPO
+#       SFT (a copy drill, then synthetic calculator traces), then GRPO
 # Everything goes to <RUN_ROOT>/demo (default runs/demo); the tiny model and SFT are reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ case "$DEMO" in
   calculator)
     MODEL="$RUN/calc_sft"
     if [ ! -f "$MODEL/model.safetensors" ]; then
-      echo "== SFT warm start on synthetic calculator traces"
+      echo "== SFT warm start: copy drill, then synthetic calculator traces"
       $PY examples/agent_calculator.py sft --base "$RUN/tiny_model" --out "$MODEL"
     fi
     echo "== GRPO in process from $MODEL (examples/configs/agent_calculator.yaml)"

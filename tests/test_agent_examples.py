@@ -44,6 +44,20 @@ def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
     assert "tool_response" not in trained and "06-48=" not in trained
 
 
+def test_copy_drill_trains_the_copies_only(tiny_model_dir, tmp_path):
+    from arealite.agent import install_chat_template
+
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, model)
+    install_chat_template(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [{"messages": [{"role": "user", "content": "7*61="}], "answer": "427"}]
+    ((ids, mask),) = agent_calculator.tool_traces(tok, rows, agent_calculator.copy_drill)
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "<tools>" not in tok.decode(ids)
+    assert trained == "07*61<|im_end|>+0427<|im_end|>"
+
+
 def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path):
     """The SFT runs the common system turn once per batch: same loss and gradients as padding
     the full traces."""
