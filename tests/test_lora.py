@@ -32,21 +32,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
-def lora_engine(tiny_model_dir):
-    engines = []
-
+def lora_engine(tiny_model_dir, build_engine):
     def make(**lora_kw):
         lora = LoRAConfig(rank=4, alpha=8.0, **lora_kw)
         cfg = engine_config(tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2), lora=lora,
                             weight_update_bucket_mb=1)  # fmt: skip
-        e = FSDPLMEngine(cfg)
-        e.initialize(None, None)
-        engines.append(e)
-        return e
+        return build_engine(FSDPLMEngine, cfg)
 
-    yield make
-    for e in engines:
-        e.destroy()
+    return make
 
 
 def _hf_logprobs(path, batch):
