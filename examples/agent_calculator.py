@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -78,26 +79,40 @@ def last_integer(text: str | None) -> int | None:
     return int(found[-1]) if found else None
 
 
-async def solve(client, row: dict) -> float:
-    """Ask with the calculator available; run the tool calls; 1.0 if the final answer is right."""
-    messages = [{"role": "user", "content": fixed_width(row["messages"][-1]["content"])}]
+async def solve(client, row: dict, partial_credit: bool = False) -> float:
+    """Ask with the calculator available; run the tool calls; 1.0 if the final answer is right.
+    With `partial_credit` (training only) a wrong answer earns up to 0.5 for the digits it
+    copied right (question -> call, tool result -> answer): a denser signal for GRPO."""
+    question = fixed_width(row["messages"][-1]["content"])
+    messages = [{"role": "user", "content": question}]
+    copied = []  # (what should have been copied, what was written)
     for _ in range(2):  # a tool round, then the answer
         r = await client.chat.completions.create(
             model="policy", messages=messages, tools=[CALCULATOR]
         )
         msg = r.choices[0].message
         if not msg.tool_calls:
-            return float(last_integer(msg.content) == int(row["answer"]))
+            if last_integer(msg.content) == int(row["answer"]):
+                return 1.0
+            copied.append((messages[-1]["content"], msg.content or ""))
+            return _copy_credit(copied) if partial_credit else 0.0
         messages.append(msg)
         for call in msg.tool_calls:
             try:
                 expression = json.loads(call.function.arguments).get("expr")
             except (json.JSONDecodeError, AttributeError):
                 expression = None
+            copied.append((question.rstrip("="), str(expression or "")))
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": calculator(expression)}
             )
-    return 0.0
+    return _copy_credit(copied) if partial_credit else 0.0
+
+
+def _copy_credit(copied: list[tuple[str, str]]) -> float:
+    """0.25 per copy (at most two): the fraction of characters in the right place."""
+    return sum(0.25 * sum(a == b for a, b in zip(want, got)) / max(len(want), len(got))
+               for want, got in copied[:2])  # fmt: skip
 
 
 # ---- SFT warm start ---------------------------------------------------------------------------
@@ -189,8 +204,8 @@ def trace_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int):
 def sft(a: argparse.Namespace) -> None:
     """Copy `base`, install a tool-aware chat template, then two stages: `a.copy_steps` batches
     of the copy drill (the tiny model learns to copy digits by position), then `a.steps`
-    batches of tool traces, each with a replayed drill batch (without it the new format
-    overwrites the copying; the trace stage's lower lr helps the same way)."""
+    batches of tool traces at a lower lr (at the drill's lr the new format overwrote the
+    copying; replaying drill batches during this stage made it worse, not better)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -222,10 +237,7 @@ def sft(a: argparse.Namespace) -> None:
     )
     for step in range(a.steps):
         batch = traces[step * a.batch_size : (step + 1) * a.batch_size]
-        at = (step * a.batch_size) % len(drills)
-        loss = trace_loss(model, batch, tok.pad_token_id)
-        replay = trace_loss(model, drills[at : at + a.batch_size], tok.pad_token_id)
-        _sgd_step(opt, loss + replay, "tool traces (+ drill)", step, a.steps)
+        _sgd_step(opt, trace_loss(model, batch, tok.pad_token_id), "tool traces", step, a.steps)
         sched.step()
     model.save_pretrained(out, safe_serialization=True)
     print(f"tool-trace SFT model: {out}", flush=True)
@@ -241,10 +253,12 @@ def _sgd_step(opt, loss, stage: str, step: int, steps: int) -> None:
 
 # ---- GRPO -------------------------------------------------------------------------------------
 def make_workflow(reward_fn, gconfig, tokenizer, **_):
-    """The loop's workflow factory (training and greedy evaluation alike)."""
+    """The loop's workflow factory: greedy evaluation scores exact answers only; training runs
+    earn partial credit."""
     from arealite.agent import AgentWorkflow
 
-    return AgentWorkflow(solve, tokenizer, gconfig, export_style="concat")
+    agent = solve if gconfig.greedy else functools.partial(solve, partial_credit=True)
+    return AgentWorkflow(agent, tokenizer, gconfig, export_style="concat")
 
 
 def main() -> None:
@@ -256,9 +270,9 @@ def main() -> None:
         p.add_argument("phase")
         p.add_argument("--base", required=True, help="model dir (e.g. the tiny model)")
         p.add_argument("--out", required=True, help="where the warm-started model goes")
-        p.add_argument("--copy-steps", type=int, default=300, help="copy-drill batches")
+        p.add_argument("--copy-steps", type=int, default=350, help="copy-drill batches")
         p.add_argument("--copy-batch-size", type=int, default=64)
-        p.add_argument("--steps", type=int, default=150, help="tool-trace batches")
+        p.add_argument("--steps", type=int, default=200, help="tool-trace batches")
         p.add_argument("--batch-size", type=int, default=16)
         p.add_argument("--lr", type=float, default=3e-3, help="copy-drill lr")
         p.add_argument("--trace-lr", type=float, default=1e-3, help="tool-trace lr (cosine)")

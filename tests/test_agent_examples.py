@@ -89,3 +89,10 @@ def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path)
     assert shared.item() == pytest.approx(padded.item(), abs=1e-6)
     for a, p in zip(shared_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_partial_credit_counts_digits_copied_in_place():
+    credit = agent_calculator._copy_credit
+    assert credit([("07+61", "07+61"), ("+0068", "+0068")]) == 0.5  # (a right answer is 1.0)
+    assert credit([("07+61", "07+69"), ("+0068", "+0000")]) == pytest.approx(0.2 + 0.15)
+    assert credit([("07+61", "")]) == 0.0 and credit([]) == 0.0
