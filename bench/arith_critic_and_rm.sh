@@ -33,6 +33,9 @@ launch "${PPO[@]}" trial_name=async-judge critic.path="$JUDGE" critic.optimizer.
   critic.ppo_n_minibatches=2
 echo "== explained variance a perfect critic would reach: SFT policy, then after PPO"
 $PY bench/critic_ev_ceiling.py "$POLICY" "$(final arith-ppo/async)"
+echo "== a critic fitted offline on the SFT policy's rollouts (from the SFT, then from the judge)"
+$PY bench/critic_offline_fit.py "$POLICY"
+$PY bench/critic_offline_fit.py "$POLICY" --critic-init "$JUDGE" --lr 3e-4
 
 echo "== reward model on near misses + the policy's own wrong samples"
 launch examples/rm.py --config examples/configs/arith_rm_sft.yaml model.path="$JUDGE" \
