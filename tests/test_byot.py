@@ -89,6 +89,10 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400, env=No
             "reward=[{rewards}:nothing] reward_weights=null",
             "reward: reward .*my_rewards.py:nothing.* no function",
         ),
+        (
+            "eval_reward={rewards}:nothing",
+            "eval_reward: reward .*my_rewards.py:nothing.* no function",
+        ),
         ("train_dataset.path={tmp}/absent.jsonl", "train_dataset.path=.*absent.jsonl.*no such"),
         (
             "actor.path={tmp}/not_a_model",

@@ -175,11 +175,15 @@ def check_task(config) -> None:
             f"reward is not set and train_dataset.path={config.train_dataset.path!r} is not a "
             "built-in task: set reward: my_rewards.py:score (see arealite/api/reward_api.py)"
         )
-    try:
-        for spec, _ in reward_specs(reward, config.reward_weights):
-            resolve_reward(spec)
-    except RewardSpecError as e:
-        raise ConfigError(f"reward: {e}") from None
+    checks = [("reward", reward, config.reward_weights)]
+    if getattr(config, "eval_reward", None):
+        checks.append(("eval_reward", config.eval_reward, None))
+    for key, value, weights in checks:
+        try:
+            for spec, _ in reward_specs(value, weights):
+                resolve_reward(spec)
+        except RewardSpecError as e:
+            raise ConfigError(f"{key}: {e}") from None
 
 
 def check_preferences(config: RMConfig) -> None:
