@@ -38,21 +38,13 @@ from arealite.utils.data import pad_sequences_to_tensors
 
 
 @pytest.fixture
-def reward_model(tiny_model_dir):
-    engines = []
-
+def reward_model(tiny_model_dir, build_engine):
     def make(max_tokens=None, lr=1e-3):
         opt = OptimizerConfig(lr=lr, weight_decay=0.0)
-        e = FSDPRewardModel(
-            engine_config(tiny_model_dir, max_tokens, optimizer=opt, is_critic=True)
-        )
-        e.initialize(None, None)
-        engines.append(e)
-        return e
+        cfg = engine_config(tiny_model_dir, max_tokens, optimizer=opt, is_critic=True)
+        return build_engine(FSDPRewardModel, cfg)
 
-    yield make
-    for e in engines:
-        e.destroy()
+    return make
 
 
 def test_pair_scores_equal_single_row_scores_whatever_the_split(reward_model, tiny_model_dir):
