@@ -33,32 +33,9 @@ import glob
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(REPO, "examples")
-
-
-def emit(figure: str, **values) -> None:
-    print(json.dumps({"figure": figure, **values}), flush=True)
-
-
-def launch(script: str, config: str, overrides: list[str], log_path: str) -> float:
-    """Run the local launcher (output to `log_path`); returns its wall seconds."""
-    cmd = [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, script),
-        "--config", os.path.join(EXAMPLES, "configs", config), *overrides,
-    ]  # fmt: skip
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        tail = open(log_path, errors="replace").read()[-4000:]
-        sys.exit(f"{script} failed with exit code {rc}; launcher log {log_path}:\n{tail}")
-    return time.monotonic() - t0
+from bench_io import emit, launch
 
 
 def read_metrics(run_dir: str) -> list[dict]:

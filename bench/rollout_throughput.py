@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -35,15 +34,12 @@ from collections.abc import Callable
 
 import aiohttp
 import torch
+from bench_io import emit
 
 from arealite.server.process import ServerProcess, launch_server
 from arealite.utils.network import find_free_port
 
 TIMEOUT = aiohttp.ClientTimeout(total=900)
-
-
-def emit(figure: str, **values) -> None:
-    print(json.dumps({"figure": figure, **values}), flush=True)
 
 
 def make_prompts(

@@ -21,7 +21,6 @@ alternate within one process (median over rounds) because the machine is shared 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,16 +29,13 @@ import tempfile
 import time
 
 import torch
+from bench_io import emit
 
 CASES = {
     # name: (hidden, layers, intermediate, heads, kv_heads, n_seqs, min_len, max_len, prompt_len)
     "a": dict(hidden=256, layers=6, inter=768, heads=8, kv=4, n=32, lo=17, hi=33, prompt=9),
     "b": dict(hidden=512, layers=12, inter=1536, heads=8, kv=4, n=16, lo=64, hi=512, prompt=32),
 }
-
-
-def emit(figure: str, **values) -> None:
-    print(json.dumps({"figure": figure, **values}), flush=True)
 
 
 def build_model(case: dict, out_dir: str) -> str:

@@ -35,14 +35,11 @@ import time
 
 import psutil
 import torch
+from bench_io import emit
 
 from arealite.utils.data import pad_sequences_to_tensors, trim_padding
 
 MIN_LEN, MAX_LEN = 16, 512
-
-
-def emit(figure: str, **values) -> None:
-    print(json.dumps({"figure": figure, **values}), flush=True)
 
 
 def _release_free_heap() -> None:
