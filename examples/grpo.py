@@ -175,6 +175,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
 
     data_iter = iter(train_loader)
+    first_actor_step = config.critic.warmup_steps if critic is not None else 0
     for global_step in range(start, total_steps):
         epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
         # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
@@ -202,7 +203,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
                 batch["values"] = critic.compute_values(batch)
             adv_stats = actor.compute_advantages(batch)
             stats = {}
-            if critic is None or global_step >= config.critic.warmup_steps:  # else critic only
+            if global_step >= first_actor_step:  # else the critic's warm-up: critic only
                 stats = actor.ppo_update(batch)
                 actor.step_lr_scheduler()
             if critic is not None:
@@ -234,7 +235,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             if accuracy_before is not None and global_step == 0:
                 stats["eval/accuracy_before_training"] = accuracy_before
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
-        if global_step == start:  # what the optimizer holds: every weight, or LoRA adapters
+        if global_step == first_actor_step:  # what the optimizer holds: weights or adapters
             trainable, total = count_parameters(actor.model)
             stats.update({"actor/trainable_params": trainable, "actor/total_params": total,
                           "actor/optimizer_state_bytes": optimizer_state_bytes(actor.optimizer)})  # fmt: skip
