@@ -12,6 +12,7 @@ import argparse
 import os
 
 import torch
+from tensordict import TensorDict
 
 from arealite.api.cli_args import FSDPConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from arealite.utils.data import pad_sequences_to_tensors
@@ -58,6 +59,18 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
     for bucket in iter_full_buckets(plan_buckets(engine.model, 1 << 30)):
         out.update({k: v.clone() for k, v in bucket.items()})
     return out
+
+
+def server_logprob_gap(post, engine, prompt: list[int]) -> float:
+    """Max |trainer - server| logprob over 8 tokens the server samples after `prompt`
+    (`post(path, body) -> json`): ~0 only when the server holds the trainer's weights."""
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+    out = post("/generate", body)
+    server_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    ids = torch.tensor([prompt + out["output_ids"]])
+    td = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[1])
+    return (engine.compute_logprobs(td)[0, len(prompt) :] - server_lp).abs().max().item()
 
 
 def rank_slice(n: int, rank: int, world: int) -> slice:

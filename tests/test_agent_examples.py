@@ -28,13 +28,19 @@ def test_calculator_refuses_anything_else(bad):
     assert agent_calculator.calculator(bad).startswith("error:")
 
 
-def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def tool_tokenizer(tiny_model_dir, tmp_path_factory):
+    """The tiny model's tokenizer with the compact tool-aware chat template installed."""
     from arealite.agent import install_chat_template
 
-    model = str(tmp_path / "model")
+    model = str(tmp_path_factory.mktemp("calculator") / "model")
     shutil.copytree(tiny_model_dir, model)
     install_chat_template(model)
-    tok = AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(model)
+
+
+def test_teacher_traces_are_the_clients_tokens(tool_tokenizer):
+    tok = tool_tokenizer
     rows = [{"messages": [{"role": "user", "content": "6-48="}], "answer": "-42"}]
     ((ids, mask),) = agent_calculator.tool_traces(tok, rows)
     text, trained = tok.decode(ids), tok.decode([i for i, m in zip(ids, mask) if m])
@@ -44,13 +50,8 @@ def test_teacher_traces_are_the_clients_tokens(tiny_model_dir, tmp_path):
     assert "tool_response" not in trained and "06-48=" not in trained
 
 
-def test_copy_drill_trains_the_copies_only(tiny_model_dir, tmp_path):
-    from arealite.agent import install_chat_template
-
-    model = str(tmp_path / "model")
-    shutil.copytree(tiny_model_dir, model)
-    install_chat_template(model)
-    tok = AutoTokenizer.from_pretrained(model)
+def test_copy_drill_trains_the_copies_only(tool_tokenizer):
+    tok = tool_tokenizer
     rows = [{"messages": [{"role": "user", "content": "7*61="}], "answer": "427"}]
     ((ids, mask),) = agent_calculator.tool_traces(tok, rows, agent_calculator.copy_drill)
     trained = tok.decode([i for i, m in zip(ids, mask) if m])

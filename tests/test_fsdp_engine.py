@@ -12,7 +12,7 @@ import sys
 import pytest
 import requests
 import torch
-from _torchrun_fsdp import engine_config, full_weights, make_batch
+from _torchrun_fsdp import engine_config, full_weights, make_batch, server_logprob_gap
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,15 +288,7 @@ def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_p
         post = lambda path, body: requests.post(server.url + path, json=body, timeout=300).json()  # noqa: E731
 
         def agreement() -> float:
-            body = {"input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
-            out = post("/generate", body)
-            server_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
-            ids = torch.tensor([prompt + out["output_ids"]])
-            td = TensorDict(
-                {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, batch_size=[1]
-            )
-            return (engine.compute_logprobs(td)[0, len(prompt) :] - server_lp).abs().max().item()
+            return server_logprob_gap(post, engine, prompt)
 
         train_step(engine, make_batch(n=4))
         assert agreement() > 1e-2  # the server still has the initial weights

@@ -15,7 +15,7 @@ import sys
 import pytest
 import requests
 import torch
-from _torchrun_fsdp import engine_config, make_batch, train_variant
+from _torchrun_fsdp import engine_config, make_batch, server_logprob_gap, train_variant
 from tensordict import TensorDict
 from test_ppo_critic import run_two_gloo_ranks
 from transformers import AutoModelForCausalLM
@@ -186,13 +186,7 @@ def test_server_logprobs_after_merged_sync_equal_the_trainer(lora_engine, tmp_pa
         post = lambda path, body: requests.post(server.url + path, json=body, timeout=300).json()  # noqa: E731
 
         def max_logprob_gap() -> float:
-            body = {"input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
-            out = post("/generate", body)
-            server_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
-            ids = torch.tensor([prompt + out["output_ids"]])
-            td = TensorDict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [1])
-            return (engine.compute_logprobs(td)[0, len(prompt) :] - server_lp).abs().max().item()
+            return server_logprob_gap(post, engine, prompt)
 
         for seed in range(3):
             engine.train_lm(make_batch(n=4, seed=seed))
