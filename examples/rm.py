@@ -5,7 +5,8 @@
 
 `train_dataset.path`: a jsonl of {prompt | messages, chosen, rejected} rows, or
 `arith_preferences` (synthetic, generated offline). The final model (`<run_dir>/.../final`) is an
-HF token-classification checkpoint: name it as the reward of a GRPO run (README "PPO with a
+HF checkpoint (`model.head`: scalar, a token-classification model; implicit, the causal LM
+plus reward_head.json naming its reference): name it as the reward of a GRPO run (README "PPO with a
 critic, reward models, LoRA").
 """
 
@@ -22,10 +23,12 @@ from transformers import AutoTokenizer
 from arealite.api.cli_args import load_expr_config
 from arealite.api.io_struct import FinetuneSpec
 from arealite.api.rm_config import BUILTIN_PREFERENCES, RMConfig
+from arealite.engine.rm.implicit import FSDPImplicitRewardModel
 from arealite.engine.rm.preference_data import (
     arith_preferences_from_options,
     collate_pairs,
     read_preference_rows,
+    with_reference_scores,
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.reward.arith import arith_reward_fn
@@ -54,8 +57,10 @@ def preference_rows(cfg) -> list[dict]:
     return rows
 
 
-def pair_loader(cfg, rank, world, tokenizer, seed, shuffle=None):
+def pair_loader(cfg, rank, world, tokenizer, seed, shuffle=None, reference=None):
     rows = preference_rows(cfg)[rank::world]  # each rank its own share of the pairs
+    if reference is not None:  # the implicit head: the frozen reference's scores, once per row
+        rows = with_reference_scores(rows, reference, tokenizer)
     order = ResumableSampler(len(rows), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
         rows, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last, sampler=order,
@@ -69,15 +74,18 @@ def main(argv: list[str]) -> None:
     claim_run_dir(config.run_dir, rank)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
     torch.manual_seed(config.seed)
-    train_loader = pair_loader(config.train_dataset, rank, world, tokenizer, config.seed)
+    implicit = config.model.head == "implicit"
+    engine = (FSDPImplicitRewardModel if implicit else FSDPRewardModel)(config.model)
+    ref = engine.reference_path if implicit else None
+    train_loader = pair_loader(config.train_dataset, rank, world, tokenizer, config.seed,
+                               reference=ref)  # fmt: skip
     valid = None
     if config.valid_dataset is not None:
-        valid = pair_loader(config.valid_dataset, rank, world, tokenizer, 0, shuffle=False)
+        valid = pair_loader(config.valid_dataset, rank, world, tokenizer, 0, False, ref)
     ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
                            config.train_dataset.batch_size)  # fmt: skip
     total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
 
-    engine = FSDPRewardModel(config.model)
     engine.initialize(None, ft_spec)
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Optional
 
 from arealite.api.cli_args import BaseExperimentConfig, TrainEngineConfig
 from arealite.api.config_loader import ConfigError, help_text
@@ -76,15 +76,52 @@ def is_preference_data(path: str) -> bool:
     return isinstance(row, dict) and all(k in row for k in PAIR_FIELDS)
 
 
+# Written next to the HF weights of an implicit-head checkpoint ({head, beta, reference}): how
+# a scorer (arealite/reward/reward_model.py) tells it from a scalar-head one.
+RM_HEAD_FILE = "reward_head.json"
+
+
+@dataclass
+class RMEngineConfig(TrainEngineConfig):
+    """The reward model's backbone and head (see arealite/engine/rm/reward_model.py)."""
+
+    head: Literal["scalar", "implicit"] = field(
+        default="scalar",
+        metadata=help_text(
+            "scalar: a 1-output head read at the last token (is_critic). implicit: the causal "
+            "LM itself, r(x, y) = beta * sum over the response of log pi(y_t|.) - log ref(y_t|.) "
+            "(DPO's implicit reward), trained with the same Bradley-Terry loss."
+        ),
+    )
+    beta: float = field(default=0.1, metadata=help_text("implicit head: the reward scale (> 0)."))
+    reference: Optional[str] = field(
+        default=None,
+        metadata=help_text(
+            "implicit head: the frozen reference model directory; null = model.path (the "
+            "initial weights, as in DPO)."
+        ),
+    )
+
+    def check_head(self, key: str = "model") -> None:
+        """Head-specific fields: errors name the key."""
+        if self.head == "implicit" and not self.beta > 0:
+            raise ConfigError(f"{key}.beta={self.beta!r}: the implicit head needs beta > 0")
+        if self.head == "scalar" and self.reference is not None:
+            raise ConfigError(
+                f"{key}.reference={self.reference!r} is only read by model.head=implicit "
+                "(the scalar head has no reference model)"
+            )
+
+
 @dataclass
 class RMConfig(BaseExperimentConfig):
     """Bradley-Terry reward model on preference pairs. `train_dataset.path`: a jsonl of
     {prompt | messages, chosen, rejected}, or `arith_preferences` (synthetic, generated offline;
     options: ARITH_PREFERENCE_OPTIONS)."""
 
-    model: TrainEngineConfig = field(
-        default_factory=lambda: TrainEngineConfig(is_critic=True),
-        metadata=help_text("Backbone + scalar head (is_critic is forced true)."),
+    model: RMEngineConfig = field(
+        default_factory=lambda: RMEngineConfig(is_critic=True),
+        metadata=help_text("Backbone + head (is_critic is set from model.head)."),
     )
 
     def __post_init__(self):
@@ -96,7 +133,8 @@ class RMConfig(BaseExperimentConfig):
             )
         if not self.model.path:
             raise ConfigError("model.path is required (an HF model directory or hub id)")
-        self.model.is_critic = True
+        self.model.check_head()
+        self.model.is_critic = self.model.head == "scalar"
         for key, ds in (
             ("train_dataset", self.train_dataset),
             ("valid_dataset", self.valid_dataset),

@@ -1,18 +1,21 @@
 """A trained reward model as the reward of a GRPO run: `reward: path/to/rm_checkpoint`.
 
-The checkpoint is what `examples/rm.py` saves (an HF token-classification model with one
-label, plus its tokenizer). Where it is scored, and why: in the reward worker process
-(`rollout.reward_workers`), on CPU, one completion per call, like any reward of the contract
-(arealite/api/reward_api.py). The worker loads the model once, on its first call; the trainer
-process never holds it, so no trainer memory or FSDP state is spent on it, a slow or failing
-score is bounded by `rollout.reward_timeout` and counted like any reward error, and
-weighted sums with other rewards work unchanged. Not batched: the contract scores one
-completion, and a tiny CPU model scores one in milliseconds; a large RM belongs on a server.
+The checkpoint is what `examples/rm.py` saves, of either head (arealite/api/rm_config.py):
+scalar, an HF token-classification model with one label; implicit, an HF causal LM plus
+`reward_head.json` ({head, beta, reference}) naming the frozen reference model. Where it is
+scored, and why: in the reward worker process (`rollout.reward_workers`), on CPU, one completion
+per call, like any reward of the contract (arealite/api/reward_api.py). The worker loads the
+model(s) once, on its first call; the trainer process never holds them, so no trainer memory or
+FSDP state is spent on them, a slow or failing score is bounded by `rollout.reward_timeout` and
+counted like any reward error, and weighted sums with other rewards work unchanged. Not batched:
+the contract scores one completion, and a tiny CPU model scores one in milliseconds; a large RM
+belongs on a server.
 
-The score is the head's output at the last token of `prompt_ids ++ completion_ids ++ EOS`
-(EOS appended when the completion was cut before it), exactly how the model was trained
-(arealite/engine/rm/preference_data.py: prompt ++ answer ++ EOS). Ids are scored as they are,
-so the RM must share the policy's tokenizer (train it from the same base model).
+Scored on `prompt_ids ++ completion_ids ++ EOS` (EOS appended when the completion was cut
+before it), exactly how the model was trained (arealite/engine/rm/preference_data.py: prompt ++
+answer ++ EOS): scalar, the head's output at the last token; implicit, beta * the summed
+log-ratio policy / reference of the completion's tokens (EOS included). Ids are scored as they
+are, so the RM must share the policy's tokenizer (train it from the same base model).
 """
 
 from __future__ import annotations
@@ -21,47 +24,99 @@ import json
 import os
 
 from arealite.api.reward_api import Reward, RewardInput, RewardSpecError
+from arealite.api.rm_config import RM_HEAD_FILE
+
+
+def _read_json(path: str, spec: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise RewardSpecError(f"reward {spec!r}: cannot read {path!r} ({e})") from None
+
+
+def read_head(path: str) -> dict:
+    """The checkpoint's head: {"head": "scalar"} or the implicit head's {head, beta, reference}."""
+    head_file = os.path.join(path, RM_HEAD_FILE)
+    if not os.path.isfile(head_file):
+        return {"head": "scalar"}
+    head = _read_json(head_file, path)
+    if head.get("head") != "implicit" or not float(head.get("beta", 0)) > 0:
+        raise RewardSpecError(f"reward {path!r}: {RM_HEAD_FILE} {head} is not an implicit head")
+    ref = head.get("reference")
+    if not ref or not os.path.isfile(os.path.join(ref, "config.json")):
+        raise RewardSpecError(
+            f"reward {path!r}: the implicit head's reference model {ref!r} ({RM_HEAD_FILE}) "
+            "is not an HF model directory (moved or deleted?)"
+        )
+    return head
 
 
 def check_reward_model_dir(path: str) -> dict:
-    """The checkpoint's config.json, checked to be a 1-output scoring model."""
+    """The checkpoint's head (read_head), checked against its config.json: a 1-output scoring
+    model (scalar) or a causal LM (implicit)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise RewardSpecError(
             f"reward {path!r}: a directory without config.json; name the HF checkpoint "
             "directory examples/rm.py saved (e.g. <run_dir>/checkpoints/final/<name>)"
         )
-    with open(config_file) as f:
-        config = json.load(f)
-    n_labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
+    config = _read_json(config_file, path)
+    head = read_head(path)
     archs = config.get("architectures") or []
+    if head["head"] == "implicit":
+        if not any(a.endswith("ForCausalLM") for a in archs):
+            raise RewardSpecError(
+                f"reward {path!r}: an implicit-head reward model must be a causal LM "
+                f"(architectures={archs})"
+            )
+        return head
+    n_labels = len(config.get("id2label") or {}) or config.get("num_labels", 1)
     if n_labels != 1 or not any(a.endswith("ForTokenClassification") for a in archs):
         raise RewardSpecError(
-            f"reward {path!r}: not a reward model (architectures={archs}, {n_labels} labels); "
-            "expected a 1-label token-classification checkpoint from examples/rm.py"
+            f"reward {path!r}: not a reward model (architectures={archs}, {n_labels} labels, "
+            f"no {RM_HEAD_FILE}); expected a checkpoint from examples/rm.py"
         )
-    return config
+    return head
+
+
+def _response_logprob_sum(model, ids: list[int], n_prompt: int) -> float:
+    import torch
+
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return float(logp[n_prompt - 1 :].sum())
 
 
 class RewardModelScorer(Reward):
-    """The reward model's score of prompt ++ completion. Picklable: only the path travels to the worker process, which loads the model on its first call."""
+    """The reward model's score of prompt ++ completion. Picklable: only the path travels to the
+    worker process, which loads the model(s) on its first call."""
 
     def __init__(self, model_dir: str):
-        check_reward_model_dir(model_dir)
+        self.head = check_reward_model_dir(model_dir)
         self.model_dir = model_dir
         self.__name__ = f"reward_model({model_dir})"
-        self._model = None
+        self._model = self._ref = None
         self._eos: int | None = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_model": None}
+        return {**self.__dict__, "_model": None, "_ref": None}
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForTokenClassification, AutoTokenizer
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForTokenClassification,
+            AutoTokenizer,
+        )
 
         torch.set_num_threads(1)  # a reward worker shares the CPU with trainer and servers
-        model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1)
+        if self.head["head"] == "implicit":
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            ref = AutoModelForCausalLM.from_pretrained(self.head["reference"], dtype=torch.float32)
+            self._ref = ref.eval()
+        else:
+            model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1)
         self._model = model.float().eval()
         try:
             self._eos = AutoTokenizer.from_pretrained(self.model_dir).eos_token_id
@@ -84,5 +139,8 @@ class RewardModelScorer(Reward):
                 "must share the policy's tokenizer"
             )
         with torch.no_grad():
-            logits = self._model(input_ids=torch.tensor([ids])).logits
-        return float(logits[0, -1, 0])
+            if self._ref is None:
+                return float(self._model(input_ids=torch.tensor([ids])).logits[0, -1, 0])
+            n = len(sample.prompt_ids)
+            policy = _response_logprob_sum(self._model, ids, n)
+            return float(self.head["beta"]) * (policy - _response_logprob_sum(self._ref, ids, n))

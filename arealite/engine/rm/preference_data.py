@@ -43,19 +43,65 @@ def completion_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def pair_row(tokenizer: Any, row: dict) -> dict[str, torch.Tensor]:
-    """One `chosen ++ rejected` training row with its cut point."""
+    """One `chosen ++ rejected` training row with its cut point; `loss_mask` marks the two
+    responses (answer ++ EOS), and the reference's scores travel along when the row has them
+    (the implicit head reads both; the scalar head ignores them)."""
     p = prompt_ids(tokenizer, row)
-    chosen = p + completion_ids(tokenizer, row["chosen"])
-    rejected = p + completion_ids(tokenizer, row["rejected"])
-    return {
-        "input_ids": torch.tensor(chosen + rejected),
-        "chosen_len": torch.tensor(len(chosen)),
+    chosen_resp = completion_ids(tokenizer, row["chosen"])
+    rejected_resp = completion_ids(tokenizer, row["rejected"])
+    mask = [0] * len(p) + [1] * len(chosen_resp) + [0] * len(p) + [1] * len(rejected_resp)
+    out = {
+        "input_ids": torch.tensor(p + chosen_resp + p + rejected_resp),
+        "chosen_len": torch.tensor(len(p) + len(chosen_resp)),
+        "loss_mask": torch.tensor(mask),
     }
+    for key in ("ref_chosen", "ref_rejected"):
+        if key in row:
+            out[key] = torch.tensor(float(row[key]))
+    return out
 
 
 def collate_pairs(tokenizer: Any, rows: list[dict]) -> Any:
     """A padded pair batch (TensorDict) for FSDPRewardModel.train_rm / evaluate_rm."""
     return pad_sequences_to_tensors([pair_row(tokenizer, r) for r in rows])
+
+
+@torch.no_grad()
+def response_logprob_sums(
+    model: Any, seqs: list[tuple[list[int], int]], batch: int = 64
+) -> list[float]:
+    """sum_t log p(ids[t] | ids[:t]) over t >= n_prompt, for each (ids, n_prompt), under an HF
+    causal LM (right-padded batches; fp32)."""
+    out = []
+    for start in range(0, len(seqs), batch):
+        chunk = seqs[start : start + batch]
+        L = max(len(ids) for ids, _ in chunk)
+        ids = torch.zeros(len(chunk), L, dtype=torch.long)
+        attn = torch.zeros(len(chunk), L, dtype=torch.long)
+        resp = torch.zeros(len(chunk), L)
+        for i, (s, n_prompt) in enumerate(chunk):
+            ids[i, : len(s)], attn[i, : len(s)], resp[i, n_prompt : len(s)] = torch.tensor(s), 1, 1
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        out += (logp * resp[:, 1:]).sum(-1).tolist()
+    return out
+
+
+def with_reference_scores(rows: list[dict], reference: str, tokenizer: Any) -> list[dict]:
+    """`rows` with `ref_chosen` / `ref_rejected`: the frozen reference model's summed response
+    logprobs, computed once (the implicit head's r = beta * (policy sum - reference sum))."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    seqs = []
+    for row in rows:
+        p = prompt_ids(tokenizer, row)
+        seqs += [(p + completion_ids(tokenizer, row[k]), len(p)) for k in PAIR_FIELDS]
+    sums = response_logprob_sums(model, seqs)
+    return [
+        {**row, "ref_chosen": sums[2 * i], "ref_rejected": sums[2 * i + 1]}
+        for i, row in enumerate(rows)
+    ]
 
 
 def _held_out(expression: str, test_fraction: float) -> bool:

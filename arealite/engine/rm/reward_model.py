@@ -8,6 +8,9 @@ rejected twin.
 
 Bradley-Terry: P(chosen > rejected) = sigmoid(r_c - r_r); the loss is the mean over pairs of
 -log sigmoid(r_c - r_r). Stats: pair accuracy (r_c > r_r), mean margin r_c - r_r.
+
+Two heads read a packed micro-batch into one score per sequence (`_seq_scores`): the scalar
+head here, and the implicit head (implicit.py: the causal LM's own log-ratio to a reference).
 """
 
 from __future__ import annotations
@@ -53,9 +56,16 @@ class FSDPRewardModel(FSDPEngine):
     `score(batch)` gives one reward per ordinary (prompt + completion) row."""
 
     def __init__(self, config: TrainEngineConfig):
-        if not config.is_critic:
-            raise ValueError("a reward model needs is_critic=true (the scalar head)")
+        self._check_config(config)
         super().__init__(config)
+
+    def _check_config(self, config: TrainEngineConfig) -> None:
+        if not config.is_critic:
+            raise ValueError("a scalar-head reward model needs is_critic=true")
+
+    def _seq_scores(self, out: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+        """One score per packed sequence, [n_seqs] (the scalar head: its last-token value)."""
+        return last_token_scores(out, mb["cu_seqlens"])
 
     def _pack(self, mb: TensorDict) -> dict[str, Any]:
         packed = super()._pack(mb)
@@ -70,15 +80,17 @@ class FSDPRewardModel(FSDPEngine):
         packed["position_ids"] = packed_position_ids(cu)
         return packed
 
-    def _check_pairs(self, data: TensorDict) -> None:
-        error = (
-            None
-            if "chosen_len" in data.keys()
-            else KeyError(
+    def _check_keys(self, data: TensorDict, pairs: bool) -> None:
+        """Raised on every rank if any rank's batch lacks a key this head reads."""
+        error = None
+        if pairs and "chosen_len" not in data.keys():
+            error = KeyError(
                 "reward-model batch has no 'chosen_len' (rows are chosen ++ rejected pairs)"
             )
-        )
         du.raise_if_any_rank_failed(error)
+
+    def _check_pairs(self, data: TensorDict) -> None:
+        self._check_keys(data, pairs=True)
 
     def train_rm(self, data: TensorDict) -> dict[str, float]:
         """One optimizer step of the pairwise loss over the (per-rank) pair batch."""
@@ -86,7 +98,7 @@ class FSDPRewardModel(FSDPEngine):
         acc = {"correct": 0.0, "margin": 0.0}
 
         def loss_fn(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
-            st = pair_stats(last_token_scores(values, mb["cu_seqlens"]))
+            st = pair_stats(self._seq_scores(values, mb))
             acc["correct"] += float(st["correct"])
             acc["margin"] += float(st["margin"].detach())
             return st["loss"] / st["n"]
@@ -107,7 +119,7 @@ class FSDPRewardModel(FSDPEngine):
         scores = self.forward(
             data,
             output_seqlens=[2] * data.batch_size[0],
-            post_hook=lambda v, mb: last_token_scores(v, mb["cu_seqlens"]),
+            post_hook=self._seq_scores,
         )
         scores = torch.zeros(0) if scores is None else scores.float().cpu()
         st = pair_stats(scores)
@@ -123,11 +135,12 @@ class FSDPRewardModel(FSDPEngine):
 
     @torch.no_grad()
     def score(self, data: TensorDict) -> torch.Tensor | None:
-        """One reward per row (the head at the row's last real token), [B]."""
+        """One reward per row (the scalar head: its value at the row's last real token), [B]."""
+        self._check_keys(data, pairs=False)
         self.eval()
         out = self.forward(
             data,
             output_seqlens=[1] * data.batch_size[0],
-            post_hook=lambda v, mb: last_token_scores(v, mb["cu_seqlens"]),
+            post_hook=self._seq_scores,
         )
         return None if out is None else out.float().cpu()

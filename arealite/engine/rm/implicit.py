@@ -1,0 +1,90 @@
+"""The implicit reward head: the causal LM itself scores a response,
+
+    r(x, y) = beta * sum_{t in response} [log pi_theta(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t)],
+
+DPO's implicit reward (Rafailov et al. 2023; as an outcome RM, "implicit PRM", Yuan et al. 2024),
+trained with the scalar head's Bradley-Terry loss on the same packed pairs.
+
+Why: a scalar head read at the last token must learn a new circuit that re-derives whether the
+answer is right (one bit per pair teaches it slowly); the LM's own next-token probabilities
+already carry what the backbone knows (a model that adds assigns the right sum a higher
+likelihood), and the BT loss sharpens them where the pairs say so.
+
+The reference is frozen and only ever enters as one number per sequence, its summed response
+logprob, so it is computed once per row outside the engine (preference_data.with_reference_
+scores) and travels with the batch: `ref_chosen` / `ref_rejected` per pair row (`ref_score` per
+ordinary row), next to a token `loss_mask` marking the response tokens (answer ++ EOS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from arealite.api.io_struct import SaveLoadMeta
+from arealite.api.rm_config import RM_HEAD_FILE
+from arealite.engine.packing import packed_logprobs
+from arealite.engine.rm.reward_model import FSDPRewardModel
+from arealite.utils import distributed as du
+
+
+def sequence_sums(per_token: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Sum of a packed [T] tensor within each sequence, [n_seqs]."""
+    lens = cu_seqlens.diff().long()
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=per_token.device), lens)
+    return per_token.new_zeros(len(lens)).index_add(0, seg, per_token)
+
+
+class FSDPImplicitRewardModel(FSDPRewardModel):
+    """A reward model with the implicit head (module docstring): `config.beta`,
+    `config.reference` (None = `config.path`); the LM is trained, no head is added."""
+
+    def _check_config(self, config: Any) -> None:
+        if config.is_critic:
+            raise ValueError("the implicit head is the causal LM itself: is_critic must be false")
+        if not getattr(config, "beta", 0) > 0:
+            raise ValueError(
+                f"the implicit head needs beta > 0, got {getattr(config, 'beta', None)}"
+            )
+
+    @property
+    def reference_path(self) -> str:
+        return os.path.abspath(self.config.reference or self.config.path)
+
+    def _pack(self, mb: TensorDict) -> dict[str, Any]:
+        packed = super()._pack(mb)
+        if "ref_chosen" in packed:  # pair rows: sequence 2k chosen, 2k+1 rejected
+            pair = (packed.pop("ref_chosen"), packed.pop("ref_rejected"))
+            packed["ref_score"] = torch.stack(pair, dim=1).flatten()
+        return packed
+
+    def _check_keys(self, data: TensorDict, pairs: bool) -> None:
+        keys = set(data.keys())
+        need = ["loss_mask"] + (["ref_chosen", "ref_rejected"] if pairs else ["ref_score"])
+        missing = [k for k in need if k not in keys]
+        error = None
+        if missing:
+            error = KeyError(
+                f"implicit reward-model batch lacks {missing}: rows need the response "
+                "loss_mask and the reference's summed response logprobs "
+                "(preference_data.with_reference_scores)"
+            )
+        du.raise_if_any_rank_failed(error)
+        super()._check_keys(data, pairs)
+
+    def _seq_scores(self, logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+        cu = mb["cu_seqlens"]
+        logp = packed_logprobs(logits.float(), mb["input_ids"], cu)
+        policy = sequence_sums(logp * mb["loss_mask"].to(logp.dtype), cu)
+        return self.config.beta * (policy - mb["ref_score"].to(policy))
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        super().save(meta)
+        if meta.weight_format == "hf" and du.is_main():
+            head = dict(head="implicit", beta=self.config.beta, reference=self.reference_path)
+            with open(os.path.join(meta.path, RM_HEAD_FILE), "w") as f:
+                json.dump(head, f, indent=1)
