@@ -5,11 +5,9 @@ TrainingOpenAIClient (tool call, tool response, answer; loss only on the model's
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import pytest
-from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import agent_calculator  # noqa: E402
@@ -30,13 +28,10 @@ def test_calculator_refuses_anything_else(bad):
 
 @pytest.fixture(scope="module")
 def tool_tokenizer(tiny_model_dir, tmp_path_factory):
-    """The tiny model's tokenizer with the compact tool-aware chat template installed."""
-    from arealite.agent import install_chat_template
-
+    """The tiny model's tokenizer with the compact tool-aware chat template and the tool
+    protocol's tokens."""
     model = str(tmp_path_factory.mktemp("calculator") / "model")
-    shutil.copytree(tiny_model_dir, model)
-    install_chat_template(model)
-    return AutoTokenizer.from_pretrained(model)
+    return agent_calculator.tool_model_dir(tiny_model_dir, model)
 
 
 def test_teacher_traces_are_the_clients_tokens(tool_tokenizer):
@@ -50,13 +45,32 @@ def test_teacher_traces_are_the_clients_tokens(tool_tokenizer):
     assert "tool_response" not in trained and "06-48=" not in trained
 
 
-def test_copy_drill_trains_the_copies_only(tool_tokenizer):
+def test_protocol_tokens_bring_the_copies_closer(tool_tokenizer):
+    """Each protocol string is one token, so the digits to copy sit 27 tokens (question ->
+    call) and 12 tokens (tool result -> answer) apart, in every trace."""
+    tok = tool_tokenizer
+    rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
+            for q, a in [("7*61=", "427"), ("93-5=", "88")]]  # fmt: skip
+    for ids, _ in agent_calculator.tool_traces(tok, rows):
+        pieces = [tok.decode([i]) for i in ids]
+        for protocol in agent_calculator.PROTOCOL_TOKENS:
+            assert protocol in pieces
+        digits = [i for i, p in enumerate(pieces) if p.isdigit()]
+        question, call, result, answer = (digits[k : k + 4] for k in range(0, 16, 4))
+        assert [c - q for q, c in zip(question, call)] == [27] * 4
+        assert [a - r for r, a in zip(result, answer)] == [12] * 4
+
+
+def test_copy_drill_is_the_trace_without_its_system_turn(tool_tokenizer):
     tok = tool_tokenizer
     rows = [{"messages": [{"role": "user", "content": "7*61="}], "answer": "427"}]
-    ((ids, mask),) = agent_calculator.tool_traces(tok, rows, agent_calculator.copy_drill)
-    trained = tok.decode([i for i, m in zip(ids, mask) if m])
-    assert "<tools>" not in tok.decode(ids)
-    assert trained == "07*61<|im_end|>+0427<|im_end|>"
+    ((ids, mask),) = agent_calculator.tool_traces(tok, rows)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    drill_ids, drill_mask = agent_calculator.without_system_turn((ids, mask), im_end)
+    assert tok.decode(drill_ids).startswith("<|im_start|>user\n07*61=")
+    assert "<tools>" in tok.decode(ids) and "<tools>" not in tok.decode(drill_ids)
+    assert ids[-len(drill_ids) :] == drill_ids and mask[-len(drill_mask) :] == drill_mask
+    assert sum(drill_mask) == sum(mask)  # every trained token kept
 
 
 def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path):
@@ -65,16 +79,13 @@ def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arealite.agent import install_chat_template
-
     model_dir = str(tmp_path / "model")
-    shutil.copytree(tiny_model_dir, model_dir)
-    install_chat_template(model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = agent_calculator.tool_model_dir(tiny_model_dir, model_dir)
     rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
             for q, a in [("47*28=", "1316"), ("5-93=", "-88"), ("81+9=", "90")]]  # fmt: skip
     traces = agent_calculator.tool_traces(tok, rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
     shared = agent_calculator.trace_loss(model, traces, tok.pad_token_id)
     shared.backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
