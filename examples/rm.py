@@ -5,8 +5,8 @@
 
 `train_dataset.path`: a jsonl of {prompt | messages, chosen, rejected} rows, or
 `arith_preferences` (synthetic, generated offline). The final model (`<run_dir>/.../final`) is an
-HF checkpoint (`model.head`: scalar, a token-classification model; implicit, the causal LM
-plus reward_head.json naming its reference): name it as the reward of a GRPO run (README "PPO with a
+HF checkpoint (`model.head`: scalar, a token-classification model; implicit / likelihood,
+the causal LM plus reward_head.json): name it as the reward of a GRPO run (README "PPO with a
 critic, reward models, LoRA").
 """
 
@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from arealite.api.cli_args import load_expr_config
 from arealite.api.io_struct import FinetuneSpec
-from arealite.api.rm_config import BUILTIN_PREFERENCES, RMConfig
+from arealite.api.rm_config import BUILTIN_PREFERENCES, LM_HEADS, RMConfig
 from arealite.engine.rm.implicit import FSDPImplicitRewardModel
 from arealite.engine.rm.preference_data import (
     arith_preferences_from_options,
@@ -74,9 +74,9 @@ def main(argv: list[str]) -> None:
     claim_run_dir(config.run_dir, rank)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
     torch.manual_seed(config.seed)
-    implicit = config.model.head == "implicit"
-    engine = (FSDPImplicitRewardModel if implicit else FSDPRewardModel)(config.model)
-    ref = engine.reference_path if implicit else None
+    lm_head = config.model.head in LM_HEADS
+    engine = (FSDPImplicitRewardModel if lm_head else FSDPRewardModel)(config.model)
+    ref = engine.reference_path if lm_head else None
     train_loader = pair_loader(config.train_dataset, rank, world, tokenizer, config.seed,
                                reference=ref)  # fmt: skip
     valid = None

@@ -1,6 +1,7 @@
-"""The implicit reward head (arealite/engine/rm/implicit.py): r = beta * (summed response logprob
-of the trained LM - the reference's), against a plain per-sequence HF computation; its config
-checks; and the GRPO scorer reading a saved implicit checkpoint."""
+"""The LM reward heads (arealite/engine/rm/implicit.py): implicit, r = beta * (summed response
+logprob of the trained LM - the reference's); likelihood, r = beta * the LM's summed response
+logprob; against a plain per-sequence HF computation; their config checks; and the GRPO scorer
+reading a saved checkpoint of each."""
 
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ def plain_response_logprob(model, tok, prompt: str, answer: str) -> float:
 
 @pytest.fixture
 def implicit_rm(tiny_model_dir, tiny_model_dir_v2, build_engine):
-    def make(max_tokens=None):
+    def make(max_tokens=None, head="implicit"):
+        ref = tiny_model_dir_v2 if head == "implicit" else None
         cfg = RMEngineConfig(
-            path=tiny_model_dir, head="implicit", beta=BETA, reference=tiny_model_dir_v2,
+            path=tiny_model_dir, head=head, beta=BETA, reference=ref,
             fsdp=FSDPConfig(param_dtype="float32", reduce_dtype="float32"),
             mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens),
             optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
@@ -59,28 +61,34 @@ def implicit_rm(tiny_model_dir, tiny_model_dir_v2, build_engine):
     return make
 
 
-def independent_pair_scores(tiny_model_dir, tiny_model_dir_v2, rows):
+def independent_pair_scores(tiny_model_dir, ref_dir, rows):
+    """beta * (policy - reference) summed response logprobs; ref_dir None: no reference."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pol = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v2, dtype=torch.float32).eval()
+    ref = ref_dir and AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     out = []
     for r in rows:
         for k in ("chosen", "rejected"):
-            diff = plain_response_logprob(pol, tok, r["prompt"], r[k])
-            out.append(BETA * (diff - plain_response_logprob(ref, tok, r["prompt"], r[k])))
+            lp = plain_response_logprob(pol, tok, r["prompt"], r[k])
+            lp_ref = plain_response_logprob(ref, tok, r["prompt"], r[k]) if ref else 0.0
+            out.append(BETA * (lp - lp_ref))
     return torch.tensor(out)
 
 
-def test_implicit_head_loss_and_scores_match_a_plain_computation(
-    implicit_rm, tiny_model_dir, tiny_model_dir_v2
+@pytest.mark.parametrize("head", ["implicit", "likelihood"])
+def test_lm_head_loss_and_scores_match_a_plain_computation(
+    implicit_rm, tiny_model_dir, tiny_model_dir_v2, head
 ):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = with_reference_scores(arith_preferences(5, seed=4, n_operands=3), tiny_model_dir_v2, tok)
-    expect = independent_pair_scores(tiny_model_dir, tiny_model_dir_v2, rows)
+    rows = arith_preferences(5, seed=4, n_operands=3)
+    ref = tiny_model_dir_v2 if head == "implicit" else None
+    if ref:
+        rows = with_reference_scores(rows, ref, tok)
+    expect = independent_pair_scores(tiny_model_dir, ref, rows)
     margin = expect[0::2] - expect[1::2]
-    assert float(margin.abs().min()) > 1e-3  # two different models: a non-trivial check
+    assert float(margin.abs().min()) > 1e-3  # distinct scores: a non-trivial check
     pairs = collate_pairs(tok, rows)
-    engine = implicit_rm(max_tokens=48)  # several micro-batches
+    engine = implicit_rm(max_tokens=48, head=head)  # several micro-batches
     st = engine.evaluate_rm(pairs)
     assert st["chosen_reward"] == pytest.approx(float(expect[0::2].mean()), abs=1e-4)
     assert st["rejected_reward"] == pytest.approx(float(expect[1::2].mean()), abs=1e-4)
@@ -110,25 +118,31 @@ def test_rm_head_config_is_validated(tiny_model_dir):
         load_expr_config(base + ["model.head=implicit", "model.beta=0.0"], RMConfig)
     with pytest.raises(ConfigError, match=r"model.reference='ref' is only read by"):
         load_expr_config(base + ["model.reference=ref"], RMConfig)
+    with pytest.raises(ConfigError, match=r"the likelihood head has no reference model"):
+        load_expr_config(base + ["model.head=likelihood", "model.reference=ref"], RMConfig)
 
 
-def test_grpo_scorer_reads_a_saved_implicit_checkpoint(
-    implicit_rm, tiny_model_dir, tiny_model_dir_v2, tmp_path
+@pytest.mark.parametrize("kind", ["implicit", "likelihood"])
+def test_grpo_scorer_reads_a_saved_lm_head_checkpoint(
+    implicit_rm, tiny_model_dir, tiny_model_dir_v2, tmp_path, kind
 ):
-    engine = implicit_rm()
+    engine = implicit_rm(head=kind)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     out = str(tmp_path / "rm")
     engine.save(SaveLoadMeta(path=out, tokenizer=tok))
     head = json.load(open(os.path.join(out, RM_HEAD_FILE)))
-    assert head == {"head": "implicit", "beta": BETA, "reference": tiny_model_dir_v2}
+    ref = tiny_model_dir_v2 if kind == "implicit" else None
+    assert head == {"head": kind, "beta": BETA, "reference": ref}
     scorer = resolve_reward(out)
-    assert isinstance(scorer, RewardModelScorer) and scorer.head["head"] == "implicit"
+    assert isinstance(scorer, RewardModelScorer) and scorer.head["head"] == kind
     rows = [{"prompt": "1+2+3=", "chosen": "6", "rejected": "16"}]
-    expect = independent_pair_scores(tiny_model_dir, tiny_model_dir_v2, rows)
+    expect = independent_pair_scores(tiny_model_dir, ref, rows)
     p = prompt_ids(tok, rows[0])
     for answer, want in zip(("6", "16"), expect.tolist()):
         ids = tok(answer, add_special_tokens=False)["input_ids"]  # no EOS: the scorer adds it
         assert scorer("", answer, p, ids) == pytest.approx(want, abs=1e-4)
+    if kind == "likelihood":
+        return
     head["reference"] = str(tmp_path / "gone")
     json.dump(head, open(os.path.join(out, RM_HEAD_FILE), "w"))
     with pytest.raises(RewardSpecError, match="reference model .* is not an HF model directory"):

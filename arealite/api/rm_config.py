@@ -76,24 +76,28 @@ def is_preference_data(path: str) -> bool:
     return isinstance(row, dict) and all(k in row for k in PAIR_FIELDS)
 
 
-# Written next to the HF weights of an implicit-head checkpoint ({head, beta, reference}): how
-# a scorer (arealite/reward/reward_model.py) tells it from a scalar-head one.
+# Written next to the HF weights of an LM-head checkpoint (implicit / likelihood: {head, beta,
+# reference}): how a scorer (arealite/reward/reward_model.py) tells it from a scalar-head one.
 RM_HEAD_FILE = "reward_head.json"
+LM_HEADS = ("implicit", "likelihood")
 
 
 @dataclass
 class RMEngineConfig(TrainEngineConfig):
-    """The reward model's backbone and head (see arealite/engine/rm/reward_model.py)."""
+    """The reward model's backbone and head (see arealite/engine/rm/)."""
 
-    head: Literal["scalar", "implicit"] = field(
+    head: Literal["scalar", "implicit", "likelihood"] = field(
         default="scalar",
         metadata=help_text(
             "scalar: a 1-output head read at the last token (is_critic). implicit: the causal "
             "LM itself, r(x, y) = beta * sum over the response of log pi(y_t|.) - log ref(y_t|.) "
-            "(DPO's implicit reward), trained with the same Bradley-Terry loss."
+            "(DPO's implicit reward; unbounded on text the pairs never showed). likelihood: "
+            "reference-free, r = beta * sum log pi(y_t|.) (SimPO-style; bounded above by 0, "
+            "highest at the LM's own most likely answer). Both LM heads train with the same "
+            "Bradley-Terry loss."
         ),
     )
-    beta: float = field(default=0.1, metadata=help_text("implicit head: the reward scale (> 0)."))
+    beta: float = field(default=0.1, metadata=help_text("LM heads: the reward scale (> 0)."))
     reference: Optional[str] = field(
         default=None,
         metadata=help_text(
@@ -104,12 +108,12 @@ class RMEngineConfig(TrainEngineConfig):
 
     def check_head(self, key: str = "model") -> None:
         """Head-specific fields: errors name the key."""
-        if self.head == "implicit" and not self.beta > 0:
-            raise ConfigError(f"{key}.beta={self.beta!r}: the implicit head needs beta > 0")
-        if self.head == "scalar" and self.reference is not None:
+        if self.head in LM_HEADS and not self.beta > 0:
+            raise ConfigError(f"{key}.beta={self.beta!r}: the {self.head} head needs beta > 0")
+        if self.head != "implicit" and self.reference is not None:
             raise ConfigError(
-                f"{key}.reference={self.reference!r} is only read by model.head=implicit "
-                "(the scalar head has no reference model)"
+                f"{key}.reference={self.reference!r} is only read by {key}.head=implicit "
+                f"(the {self.head} head has no reference model)"
             )
 
 

@@ -1,8 +1,8 @@
 """A trained reward model as the reward of a GRPO run: `reward: path/to/rm_checkpoint`.
 
 The checkpoint is what `examples/rm.py` saves, of either head (arealite/api/rm_config.py):
-scalar, an HF token-classification model with one label; implicit, an HF causal LM plus
-`reward_head.json` ({head, beta, reference}) naming the frozen reference model. Where it is
+scalar, an HF token-classification model with one label; implicit / likelihood, an HF causal
+LM plus `reward_head.json` ({head, beta, reference}; implicit: naming the frozen reference). Where it is
 scored, and why: in the reward worker process (`rollout.reward_workers`), on CPU, one completion
 per call, like any reward of the contract (arealite/api/reward_api.py). The worker loads the
 model(s) once, on its first call; the trainer process never holds them, so no trainer memory or
@@ -14,7 +14,8 @@ belongs on a server.
 Scored on `prompt_ids ++ completion_ids ++ EOS` (EOS appended when the completion was cut
 before it), exactly how the model was trained (arealite/engine/rm/preference_data.py: prompt ++
 answer ++ EOS): scalar, the head's output at the last token; implicit, beta * the summed
-log-ratio policy / reference of the completion's tokens (EOS included). Ids are scored as they
+log-ratio policy / reference of the completion's tokens (EOS included); likelihood, beta * their
+summed logprob. Ids are scored as they
 are, so the RM must share the policy's tokenizer (train it from the same base model).
 """
 
@@ -24,7 +25,7 @@ import json
 import os
 
 from arealite.api.reward_api import Reward, RewardInput, RewardSpecError
-from arealite.api.rm_config import RM_HEAD_FILE
+from arealite.api.rm_config import LM_HEADS, RM_HEAD_FILE
 
 
 def _read_json(path: str, spec: str) -> dict:
@@ -36,15 +37,19 @@ def _read_json(path: str, spec: str) -> dict:
 
 
 def read_head(path: str) -> dict:
-    """The checkpoint's head: {"head": "scalar"} or the implicit head's {head, beta, reference}."""
+    """The checkpoint's head: {"head": "scalar"} or an LM head's {head, beta, reference}."""
     head_file = os.path.join(path, RM_HEAD_FILE)
     if not os.path.isfile(head_file):
         return {"head": "scalar"}
     head = _read_json(head_file, path)
-    if head.get("head") != "implicit" or not float(head.get("beta", 0)) > 0:
-        raise RewardSpecError(f"reward {path!r}: {RM_HEAD_FILE} {head} is not an implicit head")
+    if head.get("head") not in LM_HEADS or not float(head.get("beta", 0)) > 0:
+        raise RewardSpecError(
+            f"reward {path!r}: {RM_HEAD_FILE} {head} is not an LM head ({LM_HEADS}, beta > 0)"
+        )
     ref = head.get("reference")
-    if not ref or not os.path.isfile(os.path.join(ref, "config.json")):
+    if head["head"] == "implicit" and not (
+        ref and os.path.isfile(os.path.join(ref, "config.json"))
+    ):
         raise RewardSpecError(
             f"reward {path!r}: the implicit head's reference model {ref!r} ({RM_HEAD_FILE}) "
             "is not an HF model directory (moved or deleted?)"
@@ -54,7 +59,7 @@ def read_head(path: str) -> dict:
 
 def check_reward_model_dir(path: str) -> dict:
     """The checkpoint's head (read_head), checked against its config.json: a 1-output scoring
-    model (scalar) or a causal LM (implicit)."""
+    model (scalar) or a causal LM (implicit / likelihood)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise RewardSpecError(
@@ -64,10 +69,10 @@ def check_reward_model_dir(path: str) -> dict:
     config = _read_json(config_file, path)
     head = read_head(path)
     archs = config.get("architectures") or []
-    if head["head"] == "implicit":
+    if head["head"] in LM_HEADS:
         if not any(a.endswith("ForCausalLM") for a in archs):
             raise RewardSpecError(
-                f"reward {path!r}: an implicit-head reward model must be a causal LM "
+                f"reward {path!r}: a {head['head']}-head reward model must be a causal LM "
                 f"(architectures={archs})"
             )
         return head
@@ -111,12 +116,13 @@ class RewardModelScorer(Reward):
         )
 
         torch.set_num_threads(1)  # a reward worker shares the CPU with trainer and servers
-        if self.head["head"] == "implicit":
+        if self.head["head"] == "scalar":
+            model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1)
+        else:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        if self.head["head"] == "implicit":
             ref = AutoModelForCausalLM.from_pretrained(self.head["reference"], dtype=torch.float32)
             self._ref = ref.eval()
-        else:
-            model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1)
         self._model = model.float().eval()
         try:
             self._eos = AutoTokenizer.from_pretrained(self.model_dir).eos_token_id
@@ -139,8 +145,9 @@ class RewardModelScorer(Reward):
                 "must share the policy's tokenizer"
             )
         with torch.no_grad():
-            if self._ref is None:
+            if self.head["head"] == "scalar":
                 return float(self._model(input_ids=torch.tensor([ids])).logits[0, -1, 0])
             n = len(sample.prompt_ids)
             policy = _response_logprob_sum(self._model, ids, n)
-            return float(self.head["beta"]) * (policy - _response_logprob_sum(self._ref, ids, n))
+            ref = 0.0 if self._ref is None else _response_logprob_sum(self._ref, ids, n)
+            return float(self.head["beta"]) * (policy - ref)

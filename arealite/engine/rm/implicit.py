@@ -1,9 +1,16 @@
-"""The implicit reward head: the causal LM itself scores a response,
+"""The LM reward heads: the causal LM itself scores a response. `implicit`:
 
     r(x, y) = beta * sum_{t in response} [log pi_theta(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t)],
 
-DPO's implicit reward (Rafailov et al. 2023; as an outcome RM, "implicit PRM", Yuan et al. 2024),
-trained with the scalar head's Bradley-Terry loss on the same packed pairs.
+DPO's implicit reward (Rafailov et al. 2023; as an outcome RM, "implicit PRM", Yuan et al. 2024);
+`likelihood`: the same without the reference, r = beta * sum log pi_theta(y_t | .) (SimPO's
+reference-free reward, Meng et al. 2024, summed rather than length-normalised). Both train with
+the scalar head's Bradley-Terry loss on the same packed pairs.
+
+Which to use as an RL reward: the log-ratio is unconstrained on text the pairs never showed
+(the policy finds 8 tokens of garbage whose ratio sums above a correct answer's: README
+"Reward model"), while a log-likelihood is at most 0 and highest at the LM's own most likely
+answer, so a policy can only chase the LM's mistakes.
 
 Why: a scalar head read at the last token must learn a new circuit that re-derives whether the
 answer is right (one bit per pair teaches it slowly); the LM's own next-token probabilities
@@ -26,7 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from arealite.api.io_struct import SaveLoadMeta
-from arealite.api.rm_config import RM_HEAD_FILE
+from arealite.api.rm_config import LM_HEADS, RM_HEAD_FILE
 from arealite.engine.packing import packed_logprobs
 from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.utils import distributed as du
@@ -40,19 +47,25 @@ def sequence_sums(per_token: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Te
 
 
 class FSDPImplicitRewardModel(FSDPRewardModel):
-    """A reward model with the implicit head (module docstring): `config.beta`,
-    `config.reference` (None = `config.path`); the LM is trained, no head is added."""
+    """A reward model with an LM head (module docstring): `config.head` (implicit |
+    likelihood), `config.beta`, `config.reference` (implicit; None = `config.path`); the LM is
+    trained, no head is added."""
 
     def _check_config(self, config: Any) -> None:
-        if config.is_critic:
-            raise ValueError("the implicit head is the causal LM itself: is_critic must be false")
-        if not getattr(config, "beta", 0) > 0:
+        head = getattr(config, "head", None)
+        if config.is_critic or head not in LM_HEADS:
             raise ValueError(
-                f"the implicit head needs beta > 0, got {getattr(config, 'beta', None)}"
+                f"an LM reward head (one of {LM_HEADS}, got {head!r}) is the causal LM itself: "
+                "is_critic must be false"
             )
+        if not config.beta > 0:
+            raise ValueError(f"the {head} head needs beta > 0, got {config.beta}")
 
     @property
-    def reference_path(self) -> str:
+    def reference_path(self) -> str | None:
+        """The frozen reference (implicit head); None for the reference-free likelihood head."""
+        if self.config.head != "implicit":
+            return None
         return os.path.abspath(self.config.reference or self.config.path)
 
     def _pack(self, mb: TensorDict) -> dict[str, Any]:
@@ -64,14 +77,16 @@ class FSDPImplicitRewardModel(FSDPRewardModel):
 
     def _check_keys(self, data: TensorDict, pairs: bool) -> None:
         keys = set(data.keys())
-        need = ["loss_mask"] + (["ref_chosen", "ref_rejected"] if pairs else ["ref_score"])
+        need = ["loss_mask"]
+        if self.reference_path:
+            need += ["ref_chosen", "ref_rejected"] if pairs else ["ref_score"]
         missing = [k for k in need if k not in keys]
         error = None
         if missing:
             error = KeyError(
-                f"implicit reward-model batch lacks {missing}: rows need the response "
-                "loss_mask and the reference's summed response logprobs "
-                "(preference_data.with_reference_scores)"
+                f"{self.config.head}-head reward-model batch lacks {missing}: rows need the "
+                "response loss_mask (and, implicit head, the reference's summed response "
+                "logprobs: preference_data.with_reference_scores)"
             )
         du.raise_if_any_rank_failed(error)
         super()._check_keys(data, pairs)
@@ -80,11 +95,13 @@ class FSDPImplicitRewardModel(FSDPRewardModel):
         cu = mb["cu_seqlens"]
         logp = packed_logprobs(logits.float(), mb["input_ids"], cu)
         policy = sequence_sums(logp * mb["loss_mask"].to(logp.dtype), cu)
+        if self.reference_path is None:
+            return self.config.beta * policy
         return self.config.beta * (policy - mb["ref_score"].to(policy))
 
     def save(self, meta: SaveLoadMeta) -> None:
         super().save(meta)
         if meta.weight_format == "hf" and du.is_main():
-            head = dict(head="implicit", beta=self.config.beta, reference=self.reference_path)
+            head = dict(head=self.config.head, beta=self.config.beta, reference=self.reference_path)
             with open(os.path.join(meta.path, RM_HEAD_FILE), "w") as f:
                 json.dump(head, f, indent=1)
