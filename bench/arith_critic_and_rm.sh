@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 15's learning figures on a CPU, through the shipped launcher and YAMLs:
 #   PPO with a critic (sync and async): explained variance, value loss, held-out accuracy;
-#   a reward model on the policy's own mistakes: held-out pair accuracy by kind of mistake;
-#   GRPO with that RM as the reward: TRUE held-out accuracy (exact verifier) before -> after.
+#   reward models (likelihood, implicit and scalar heads) on the policy's own mistakes:
+#   held-out pair accuracy by kind of mistake;
+#   GRPO with an RM as the reward: TRUE held-out accuracy (exact verifier) before -> after.
 # Two warm starts of the tiny model, same SFT recipe (examples/configs/arith_sft.yaml): the
 # POLICY is the demo's (stopped at 90 steps, ~22% held-out, room for RL); the JUDGE backbone of
 # the RM (and of one critic variant) is trained to convergence (400 steps, ~91% held-out): a
@@ -37,13 +38,24 @@ echo "== a critic fitted offline on the SFT policy's rollouts (from the SFT, the
 $PY bench/critic_offline_fit.py "$POLICY"
 $PY bench/critic_offline_fit.py "$POLICY" --critic-init "$JUDGE" --lr 3e-4
 
-echo "== reward model on near misses + the policy's own wrong samples"
-launch examples/rm.py --config examples/configs/arith_rm_sft.yaml model.path="$JUDGE" \
-  train_dataset.options.sampled_negatives_from="$POLICY"
+echo "== reward models on near misses + the policy's own wrong samples (held-out pair accuracy)"
+RM_RUN=(examples/rm.py --config examples/configs/arith_rm_sft.yaml model.path="$JUDGE"
+        train_dataset.options.sampled_negatives_from="$POLICY")
+launch "${RM_RUN[@]}"  # the shipped head: likelihood (reference-free)
 RM=$(final arith-rm-sft/demo)
 $PY bench/rm_pair_accuracy.py "$RM" --policy "$POLICY"
+launch "${RM_RUN[@]}" trial_name=implicit model.head=implicit  # DPO log-ratio to the judge
+$PY bench/rm_pair_accuracy.py "$(final arith-rm-sft/implicit)" --policy "$POLICY"
+launch "${RM_RUN[@]}" trial_name=scalar model.head=scalar model.optimizer.lr=3e-4
+$PY bench/rm_pair_accuracy.py "$(final arith-rm-sft/scalar)" --policy "$POLICY"
+UNTRAINED="$W/judge-as-likelihood-rm"  # the judge before any pair: what BT training adds
+rm -rf "$UNTRAINED" && cp -r "$JUDGE" "$UNTRAINED"
+echo '{"head": "likelihood", "beta": 0.1, "reference": null}' > "$UNTRAINED/reward_head.json"
+$PY bench/rm_pair_accuracy.py "$UNTRAINED" --policy "$POLICY"
 
-echo "== GRPO with the RM as the reward (true accuracy watched by the exact verifier)"
-launch examples/grpo.py --config examples/configs/arith_grpo_rm.yaml actor.path="$POLICY" \
-  ref.path="$POLICY" "reward=[$RM,arith]"
-$PY bench/summarize_run.py "$W"/arith-ppo/* "$W/arith-grpo-rm/demo"
+echo "== GRPO with an RM as the reward (true accuracy watched by the exact verifier)"
+GRPO_RM=(examples/grpo.py --config examples/configs/arith_grpo_rm.yaml actor.path="$POLICY"
+         ref.path="$POLICY")
+launch "${GRPO_RM[@]}" "reward=[$RM,arith]"
+launch "${GRPO_RM[@]}" trial_name=implicit "reward=[$(final arith-rm-sft/implicit),arith]"
+$PY bench/summarize_run.py "$W"/arith-ppo/* "$W"/arith-grpo-rm/*

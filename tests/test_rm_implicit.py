@@ -1,5 +1,5 @@
 """The LM reward heads (arealite/engine/rm/implicit.py): implicit, r = beta * (summed response
-logprob of the trained LM - the reference's); likelihood, r = beta * the LM's summed response
+logprob of the trained LM - the reference's); likelihood, r = beta * the LM's mean response
 logprob; against a plain per-sequence HF computation; their config checks; and the GRPO scorer
 reading a saved checkpoint of each."""
 
@@ -36,14 +36,16 @@ from arealite.reward.reward_model import RewardModelScorer
 BETA = 0.5
 
 
-def plain_response_logprob(model, tok, prompt: str, answer: str) -> float:
-    """sum log p(response token) of prompt ++ answer ++ EOS, one sequence, no packing."""
+def plain_response_logprob(model, tok, prompt: str, answer: str, mean: bool = False) -> float:
+    """sum (or mean) log p(response token) of prompt ++ answer ++ EOS, one sequence, no
+    packing."""
     p = prompt_ids(tok, {"prompt": prompt})
     ids = p + completion_ids(tok, answer)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     logp = torch.log_softmax(logits, -1)
-    return sum(float(logp[t - 1, ids[t]]) for t in range(len(p), len(ids)))
+    total = sum(float(logp[t - 1, ids[t]]) for t in range(len(p), len(ids)))
+    return total / (len(ids) - len(p)) if mean else total
 
 
 @pytest.fixture
@@ -62,14 +64,15 @@ def implicit_rm(tiny_model_dir, tiny_model_dir_v2, build_engine):
 
 
 def independent_pair_scores(tiny_model_dir, ref_dir, rows):
-    """beta * (policy - reference) summed response logprobs; ref_dir None: no reference."""
+    """beta * (policy - reference) summed response logprobs; ref_dir None (likelihood head):
+    beta * the policy's mean response logprob."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pol = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ref = ref_dir and AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     out = []
     for r in rows:
         for k in ("chosen", "rejected"):
-            lp = plain_response_logprob(pol, tok, r["prompt"], r[k])
+            lp = plain_response_logprob(pol, tok, r["prompt"], r[k], mean=ref is None)
             lp_ref = plain_response_logprob(ref, tok, r["prompt"], r[k]) if ref else 0.0
             out.append(BETA * (lp - lp_ref))
     return torch.tensor(out)

@@ -92,8 +92,8 @@ class RMEngineConfig(TrainEngineConfig):
             "scalar: a 1-output head read at the last token (is_critic). implicit: the causal "
             "LM itself, r(x, y) = beta * sum over the response of log pi(y_t|.) - log ref(y_t|.) "
             "(DPO's implicit reward; unbounded on text the pairs never showed). likelihood: "
-            "reference-free, r = beta * sum log pi(y_t|.) (SimPO-style; bounded above by 0, "
-            "highest at the LM's own most likely answer). Both LM heads train with the same "
+            "reference-free, r = beta * mean log pi(y_t|.) over the response (SimPO's reward; "
+            "at most 0, highest where the LM itself would answer). Both LM heads train with the same "
             "Bradley-Terry loss."
         ),
     )

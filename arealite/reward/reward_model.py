@@ -15,7 +15,7 @@ Scored on `prompt_ids ++ completion_ids ++ EOS` (EOS appended when the completio
 before it), exactly how the model was trained (arealite/engine/rm/preference_data.py: prompt ++
 answer ++ EOS): scalar, the head's output at the last token; implicit, beta * the summed
 log-ratio policy / reference of the completion's tokens (EOS included); likelihood, beta * their
-summed logprob. Ids are scored as they
+mean logprob. Ids are scored as they
 are, so the RM must share the policy's tokenizer (train it from the same base model).
 """
 
@@ -149,5 +149,6 @@ class RewardModelScorer(Reward):
                 return float(self._model(input_ids=torch.tensor([ids])).logits[0, -1, 0])
             n = len(sample.prompt_ids)
             policy = _response_logprob_sum(self._model, ids, n)
-            ref = 0.0 if self._ref is None else _response_logprob_sum(self._ref, ids, n)
-            return float(self.head["beta"]) * (policy - ref)
+            if self._ref is None:  # likelihood: the mean over the response (EOS included)
+                return float(self.head["beta"]) * policy / (len(ids) - n)
+            return float(self.head["beta"]) * (policy - _response_logprob_sum(self._ref, ids, n))

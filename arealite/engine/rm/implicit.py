@@ -3,14 +3,15 @@
     r(x, y) = beta * sum_{t in response} [log pi_theta(y_t | x, y_<t) - log pi_ref(y_t | x, y_<t)],
 
 DPO's implicit reward (Rafailov et al. 2023; as an outcome RM, "implicit PRM", Yuan et al. 2024);
-`likelihood`: the same without the reference, r = beta * sum log pi_theta(y_t | .) (SimPO's
-reference-free reward, Meng et al. 2024, summed rather than length-normalised). Both train with
-the scalar head's Bradley-Terry loss on the same packed pairs.
+`likelihood`: SimPO's reference-free reward (Meng et al. 2024), the length-normalised
+r = beta * mean_{t in response} log pi_theta(y_t | .). Both train with the scalar head's
+Bradley-Terry loss on the same packed pairs.
 
-Which to use as an RL reward: the log-ratio is unconstrained on text the pairs never showed
-(the policy finds 8 tokens of garbage whose ratio sums above a correct answer's: README
-"Reward model"), while a log-likelihood is at most 0 and highest at the LM's own most likely
-answer, so a policy can only chase the LM's mistakes.
+Which to use as an RL reward (measured, README "Reward model"): the log-ratio is unconstrained
+on text the pairs never showed (GRPO finds 8 tokens of garbage whose ratio sums above a correct
+answer's); a log-likelihood is at most 0 and highest where the LM itself would answer, and the
+mean (not the sum) keeps the empty answer, one unlikely EOS, below a wrong one (summed, GRPO
+drifted to empty answers).
 
 Why: a scalar head read at the last token must learn a new circuit that re-derives whether the
 answer is right (one bit per pair teaches it slowly); the LM's own next-token probabilities
@@ -94,9 +95,10 @@ class FSDPImplicitRewardModel(FSDPRewardModel):
     def _seq_scores(self, logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
         cu = mb["cu_seqlens"]
         logp = packed_logprobs(logits.float(), mb["input_ids"], cu)
-        policy = sequence_sums(logp * mb["loss_mask"].to(logp.dtype), cu)
-        if self.reference_path is None:
-            return self.config.beta * policy
+        mask = mb["loss_mask"].to(logp.dtype)
+        policy = sequence_sums(logp * mask, cu)
+        if self.reference_path is None:  # likelihood: the mean over the response
+            return self.config.beta * policy / sequence_sums(mask, cu).clamp(min=1.0)
         return self.config.beta * (policy - mb["ref_score"].to(policy))
 
     def save(self, meta: SaveLoadMeta) -> None:
