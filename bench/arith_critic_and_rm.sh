@@ -57,5 +57,8 @@ echo "== GRPO with an RM as the reward (true accuracy watched by the exact verif
 GRPO_RM=(examples/grpo.py --config examples/configs/arith_grpo_rm.yaml actor.path="$POLICY"
          ref.path="$POLICY")
 launch "${GRPO_RM[@]}" "reward=[$RM,arith]"
-launch "${GRPO_RM[@]}" trial_name=implicit "reward=[$(final arith-rm-sft/implicit),arith]"
+launch "${GRPO_RM[@]}" "reward=[$RM,arith]" trial_name=seed2 seed=2
+launch "${GRPO_RM[@]}" "reward=[$RM,arith]" trial_name=exact-verifier "reward_weights=[0.0,1.0]"
+launch "${GRPO_RM[@]}" "reward=[$PWD/$UNTRAINED,arith]" trial_name=untrained-judge
+launch "${GRPO_RM[@]}" "reward=[$(final arith-rm-sft/implicit),arith]" trial_name=implicit
 $PY bench/summarize_run.py "$W"/arith-ppo/* "$W"/arith-grpo-rm/*
