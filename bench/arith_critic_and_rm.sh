@@ -58,7 +58,10 @@ GRPO_RM=(examples/grpo.py --config examples/configs/arith_grpo_rm.yaml actor.pat
          ref.path="$POLICY")
 launch "${GRPO_RM[@]}" "reward=[$RM,arith]"
 launch "${GRPO_RM[@]}" "reward=[$RM,arith]" trial_name=seed2 seed=2
-launch "${GRPO_RM[@]}" "reward=[$RM,arith]" trial_name=exact-verifier "reward_weights=[0.0,1.0]"
-launch "${GRPO_RM[@]}" "reward=[$PWD/$UNTRAINED,arith]" trial_name=untrained-judge
+for seed in 1 2; do
+  launch "${GRPO_RM[@]}" "reward=[$RM,arith]" trial_name=exact-verifier-$seed seed=$seed \
+    "reward_weights=[0.0,1.0]"
+  launch "${GRPO_RM[@]}" "reward=[$PWD/$UNTRAINED,arith]" trial_name=untrained-judge-$seed seed=$seed
+done
 launch "${GRPO_RM[@]}" "reward=[$(final arith-rm-sft/implicit),arith]" trial_name=implicit
 $PY bench/summarize_run.py "$W"/arith-ppo/* "$W"/arith-grpo-rm/*
