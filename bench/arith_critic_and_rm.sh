@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15's learning figures on a CPU, through the shipped launcher and YAMLs:
-#   PPO with a critic (sync and async): explained variance, value loss, held-out accuracy;
+#   PPO with a critic (sync and async) on the UNIFORM task (the demo's sums of three digits;
+#   the shipped mixed-difficulty figures come from bench/arith_ppo_critic.sh): explained
+#   variance, value loss, held-out accuracy, and why a critic gets ~0 there;
 #   reward models (likelihood, implicit and scalar heads) on the policy's own mistakes:
 #   held-out pair accuracy by kind of mistake;
 #   GRPO with an RM as the reward: TRUE held-out accuracy (exact verifier) before -> after.
@@ -25,9 +27,10 @@ SFT=(examples/sft.py --config examples/configs/arith_sft.yaml model.path="$W/tin
   experiment_name=arith-sft-judge total_train_steps=400 train_dataset.options.size=25600
 POLICY=$(final arith-sft/demo) JUDGE=$(final arith-sft-judge/demo)
 
-echo "== PPO with a critic (critic-only warm-up of 10 steps): sync, async, async with the judge critic"
+echo "== PPO with a critic on the uniform task (warm-up 10 steps): sync, async, async with the judge critic"
 PPO=(examples/grpo.py --config examples/configs/arith_ppo.yaml actor.path="$POLICY"
-     critic.path="$POLICY" total_train_steps=100 critic.warmup_steps=10)
+     critic.path="$POLICY" total_train_steps=100 critic.warmup_steps=10
+     train_dataset.options.mix=null valid_dataset.options.mix=null)
 launch "${PPO[@]}" trial_name=sync async_training=false rollout.max_head_offpolicyness=0
 launch "${PPO[@]}" trial_name=async
 launch "${PPO[@]}" trial_name=async-judge critic.path="$JUDGE" critic.optimizer.lr=3e-4 \

@@ -9,6 +9,9 @@ probabilities of the correct continuation, and prints the EV of V* against the o
 response position and overall: the ceiling any critic can reach on that policy.
 
     .venv/bin/python bench/critic_ev_ceiling.py MODEL [MODEL ...] [--prompts 200] [--n 4]
+        [--config examples/configs/arith_ppo.yaml]  # its train_dataset options (e.g. a `mix`)
+
+Without --config the prompts are the demo's uniform task (sums of three digits).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arealite.dataset.arith import generate_arith_problems
+from arealite.dataset.arith import generate_arith_problems, generate_mixed_problems
 from arealite.engine.rm.preference_data import prompt_ids, sample_answers
 
 
@@ -34,10 +37,23 @@ def value_star(model, prompt: list[int], answer: list[int], prefix: list[int]) -
     return float(sum(logp[start + i, t] for i, t in enumerate(answer[len(prefix) :])).exp())
 
 
-def ceiling(model_dir: str, n_prompts: int, n: int) -> dict:
+def problems_of(config: str | None, n_prompts: int) -> list[tuple[str, int]]:
+    """The training prompts of `config`'s arith options (a `mix` or one difficulty)."""
+    if config is None:
+        return generate_arith_problems(n_prompts, 0, "train", 1, 3, "+", 0.2)
+    from omegaconf import OmegaConf
+
+    opts = OmegaConf.to_container(OmegaConf.load(config).train_dataset.options)
+    knobs = {k: opts.get(k, d) for k, d in (("max_digits", 2), ("n_operands", 2), ("ops", "+"))}
+    if opts.get("mix"):
+        return generate_mixed_problems(n_prompts, 0, "train", knobs, opts["mix"], 0.2)
+    return generate_arith_problems(n_prompts, 0, "train", **knobs)
+
+
+def ceiling(model_dir: str, n_prompts: int, n: int, config: str | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    problems = generate_arith_problems(n_prompts, 0, "train", 1, 3, "+", 0.2)
+    problems = problems_of(config, n_prompts)
     torch.manual_seed(0)
     samples = sample_answers(model, tok, [f"{e}=" for e, _ in problems], n)
     per_pos: dict[int, list[tuple[float, float]]] = {}
@@ -69,9 +85,10 @@ def main() -> None:
     ap.add_argument("models", nargs="+")
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--config", help="a YAML whose train_dataset.options give the prompts")
     args = ap.parse_args()
     for m in args.models:
-        print(json.dumps(ceiling(m, args.prompts, args.n)))
+        print(json.dumps(ceiling(m, args.prompts, args.n, args.config)))
 
 
 if __name__ == "__main__":

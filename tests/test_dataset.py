@@ -15,7 +15,7 @@ from arealite.dataset import (
     get_custom_dataset,
     write_synthetic_gsm8k_jsonl,
 )
-from arealite.dataset.arith import generate_arith_problems
+from arealite.dataset.arith import generate_arith_problems, generate_mixed_problems
 from arealite.dataset.common import chat_prompt_ids
 from arealite.dataset.gsm8k import INSTRUCTION
 
@@ -249,3 +249,31 @@ def test_too_long_rows_drop_or_fail(tiny_model_dir):
         get_custom_dataset(
             "arith", 0, 1, tokenizer=tok, size=20, n_operands=3, max_length=10, too_long="fail"
         )
+
+
+MIX = [{"n_operands": 2}, {}, {"max_digits": 2, "ops": "*", "n_operands": 2}]
+
+
+def test_arith_mix_interleaves_tiers_and_caps_the_held_out_tiers():
+    rows = _rows(get_custom_dataset("arith", 0, 1, size=31, max_digits=1, n_operands=3, mix=MIX))
+    exprs = [r["messages"][0]["content"][:-1] for r in rows]
+    shapes = [r"\d\+\d", r"\d\+\d\+\d", r"\d{1,2}\*\d{1,2}"]  # easy, the defaults, hard
+    assert len(exprs) == 31
+    for i, e in enumerate(exprs):  # round-robin: every batch sees every tier
+        assert re.fullmatch(shapes[i % 3], e), (i, e)
+    assert all(int(r["answer"]) == eval(r["messages"][0]["content"][:-1]) for r in rows)
+    test = generate_mixed_problems(
+        300, 0, "test", dict(max_digits=1, n_operands=3, ops="+"), MIX, 0.2
+    )
+    easy = [e for e, _ in test if re.fullmatch(shapes[0], e)]
+    assert len(easy) == len(set(easy)) < 100  # only ~20 distinct two-digit sums are held out
+    assert len(test) == len(set(test)) == len(easy) + 200
+
+
+def test_arith_mix_bad_tiers_fail_naming_the_tier():
+    with pytest.raises(ValueError, match=r"mix\[1\]: unknown knob\(s\) \['digits'\]"):
+        get_custom_dataset("arith", 0, 1, size=4, mix=[{}, {"digits": 2}])
+    with pytest.raises(ValueError, match="mix must be a list of tiers"):
+        get_custom_dataset("arith", 0, 1, size=4, mix={"n_operands": 2})
+    with pytest.raises(ValueError, match="n_operands"):
+        get_custom_dataset("arith", 0, 1, size=4, mix=[{"n_operands": 1}])

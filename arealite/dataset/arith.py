@@ -3,7 +3,10 @@
 The prompt is the bare expression ("12+34=") and the answer its value in plain digits ("46"), so
 prompts are a handful of tokens (the tokenizer splits digits one by one) and the reward is an
 exact match. Difficulty knobs: `max_digits` per operand, `n_operands`, `ops` (any of "+-*",
-usual precedence).
+usual precedence). `mix` makes a set of mixed difficulty: a list of tiers, each overriding some
+knobs (`[{n_operands: 2}, {n_operands: 3}, {max_digits: 2, ops: "*"}]`), with equal shares of the
+rows, interleaved. Real RL sets mix easy and hard problems, and that is what a critic can learn:
+how likely a prompt is to be solved.
 
 Train and held-out splits never share a problem: each expression belongs to one split by a hash
 of its text (`test_fraction` of the problem space is held out), whatever the seed or size.
@@ -98,6 +101,34 @@ def generate_arith_problems(
     return _sample(rng, size, held_out, max_digits, n_operands, ops, test_fraction)
 
 
+MIX_KNOBS = ("max_digits", "n_operands", "ops")
+
+
+def generate_mixed_problems(
+    size: int, seed: int, split: str, defaults: dict, mix: list[dict], test_fraction: float
+) -> list[tuple[str, int]]:
+    """Equal shares of `size` from each tier of `mix` (tier knobs over `defaults`), round-robin
+    so every batch sees every tier; a held-out tier stops at its distinct problems."""
+    if not isinstance(mix, (list, tuple)) or not all(isinstance(t, dict) for t in mix):
+        raise ValueError(f"arith mix must be a list of tiers (dicts of {MIX_KNOBS}), got {mix!r}")
+    tiers = []
+    for i, tier in enumerate(mix):
+        unknown = set(tier) - set(MIX_KNOBS)
+        if unknown:
+            raise ValueError(
+                f"arith mix[{i}]: unknown knob(s) {sorted(unknown)}; allowed: {MIX_KNOBS}"
+            )
+        knobs = {**defaults, **tier, "ops": "".join(tier.get("ops", defaults["ops"]))}
+        share = size // len(mix) + (i < size % len(mix))
+        tiers.append(
+            generate_arith_problems(share, seed, split, test_fraction=test_fraction, **knobs)
+        )
+    rows = []
+    for j in range(max(map(len, tiers))):
+        rows.extend(t[j] for t in tiers if j < len(t))
+    return rows
+
+
 def _sample(rng, size, held_out, max_digits, n_operands, ops, test_fraction):
     """Rejection sampling for spaces too big to enumerate (duplicates are then rare)."""
     out, seen = [], set()
@@ -135,13 +166,16 @@ def get_arith_dataset(
     n_operands: int = 2,
     ops: str = "+",
     test_fraction: float = 0.2,
+    mix: list[dict] | None = None,
 ) -> Any:
     """RL rows {"messages", "answer", "query_id"} or SFT rows {"input_ids", "loss_mask"}."""
     import datasets
 
-    problems = generate_arith_problems(
-        size, seed, split, max_digits, n_operands, "".join(ops), test_fraction
-    )
+    knobs = dict(max_digits=max_digits, n_operands=n_operands, ops="".join(ops))
+    if mix:
+        problems = generate_mixed_problems(size, seed, split, knobs, mix, test_fraction)
+    else:
+        problems = generate_arith_problems(size, seed, split, test_fraction=test_fraction, **knobs)
     if type == "rl":
         rows = [
             {

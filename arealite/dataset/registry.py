@@ -62,7 +62,7 @@ def _clevr_hub(split, type, tokenizer, processor, rank=0, world_size=1, source=N
     return _clevr(split, type, tokenizer, processor, rank, world_size, source=source)
 
 
-ARITH_OPTIONS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction")
+ARITH_OPTIONS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix")
 
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "arith": BuiltinTask(_arith, "arith", ARITH_OPTIONS),
