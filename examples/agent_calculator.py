@@ -13,9 +13,10 @@ tokens are exactly those the client builds during RL) and fits them briefly (sto
 purpose, so GRPO has room to improve); the second command is GRPO (`grpo.py`'s loop) on the
 agent. Held-out success is the greedy agent's final answer.
 
-What makes it learnable by the ~2.7M-parameter demo model (see README, Agents): a compact tool
-schema and template (~160 prompt tokens), and digits at fixed offsets (`fixed_width`): the
-model learns to copy by position within minutes, but not by content.
+What makes it learnable by the ~2.7M-parameter demo model (see README, Agents): digits at fixed
+offsets (`fixed_width`) and the tool protocol's fixed text as single tokens (PROTOCOL_TOKENS),
+so that every digit the agent copies (question -> call, tool result -> answer) sits exactly 12
+tokens back: the tiny model learns that one positional copy in ~50 batches.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ CALCULATOR = {
         },
     },
 }
-# The tool protocol's fixed strings, one token each (Qwen's tokenizers have `<tool_call>` etc. as
-# single tokens; the tiny tokenizer spells them out letter by letter, ~4x longer). The digits to
-# copy are then ~27 tokens (question -> call) and 12 (tool result -> answer) apart instead of
-# 56 and 24: the distances the tiny model learns to copy across in minutes.
-PROTOCOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                   '{"name": "', '", "arguments": ']  # fmt: skip
-TASK = dict(max_digits=2, n_operands=2, ops="+-*")  # keep in step with agent_calculator.yaml
+# The call's fixed text around the expression, and the tool-response tags, one token each (as
+# Qwen's tokenizers have `<tool_call>` as one token; the tiny tokenizer spells all of it letter
+# by letter). The digits to copy then sit 12 tokens back in both copies (question -> call, tool
+# result -> answer) instead of 56 and 24: one short, fixed offset the tiny model learns fast.
+CALL_OPEN = '<tool_call>\n{"name": "calc", "arguments": {"expr": "'
+PROTOCOL_TOKENS = [CALL_OPEN, '"}}\n</tool_call>', "<tool_response>", "</tool_response>"]
+TASK = dict(max_digits=2, n_operands=2, ops="+*")  # keep in step with agent_calculator.yaml
 RESULT_DIGITS = 4  # 99*99 = 9801
 _EXPRESSION = re.compile(r"\s*\d+(\s*[-+*]\s*\d+)*\s*")
 
@@ -147,7 +148,7 @@ class ScriptedTeacher:
 
 def without_system_turn(trace: tuple[list[int], list[int]], im_end: int):
     """The copy drill's sample: a trace cut after its system turn (the tool schemas). The
-    digits keep their distances (what a position-based copy needs) in a 3x shorter context,
+    digits keep their distances (what a position-based copy needs) in a 4x shorter context,
     where the tiny model finds the copy much sooner than behind the schemas."""
     ids, mask = trace
     start = ids.index(im_end) + 2  # `<|im_end|>\n`
@@ -279,9 +280,9 @@ def main() -> None:
         p.add_argument("phase")
         p.add_argument("--base", required=True, help="model dir (e.g. the tiny model)")
         p.add_argument("--out", required=True, help="where the warm-started model goes")
-        p.add_argument("--copy-steps", type=int, default=600, help="copy-drill batches")
+        p.add_argument("--copy-steps", type=int, default=42, help="copy-drill batches")
         p.add_argument("--copy-batch-size", type=int, default=32)
-        p.add_argument("--steps", type=int, default=200, help="tool-trace batches")
+        p.add_argument("--steps", type=int, default=1, help="tool-trace batches")
         p.add_argument("--batch-size", type=int, default=16)
         p.add_argument("--lr", type=float, default=3e-3, help="copy-drill lr")
         p.add_argument("--trace-lr", type=float, default=1e-3, help="tool-trace lr")

@@ -46,8 +46,8 @@ def test_teacher_traces_are_the_clients_tokens(tool_tokenizer):
 
 
 def test_protocol_tokens_bring_the_copies_closer(tool_tokenizer):
-    """Each protocol string is one token, so the digits to copy sit 27 tokens (question ->
-    call) and 12 tokens (tool result -> answer) apart, in every trace."""
+    """Each protocol string is one token, so every digit to copy sits 12 tokens back, in both
+    copies (question -> call, tool result -> answer) of every trace."""
     tok = tool_tokenizer
     rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
             for q, a in [("7*61=", "427"), ("93-5=", "88")]]  # fmt: skip
@@ -57,7 +57,7 @@ def test_protocol_tokens_bring_the_copies_closer(tool_tokenizer):
             assert protocol in pieces
         digits = [i for i, p in enumerate(pieces) if p.isdigit()]
         question, call, result, answer = (digits[k : k + 4] for k in range(0, 16, 4))
-        assert [c - q for q, c in zip(question, call)] == [27] * 4
+        assert [c - q for q, c in zip(question, call)] == [12] * 4
         assert [a - r for r, a in zip(result, answer)] == [12] * 4
 
 
