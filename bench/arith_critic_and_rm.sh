@@ -12,15 +12,8 @@
 # model that cannot add cannot tell a right sum from a near miss, whatever its head. About 30
 # minutes on 2 free cores.
 # Usage: bench/arith_critic_and_rm.sh [WORKDIR]
-set -euo pipefail
-cd "$(dirname "$0")/.."
 W=${1:-runs/judges}
-PY=${PY:-.venv/bin/python}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-launch() { $PY -m arealite.launcher.local "$@" cluster.fileroot="$W"; }
-final() { ls -d "$W/$1"/checkpoints/final/*/ | tail -n 1; }
-
-[ -f "$W/tiny_model/config.json" ] || $PY -m arealite.testing.tiny_model "$W/tiny_model"
+source "$(dirname "$0")/launch_env.sh"  # cd to the repo; PY, launch, final; the tiny model
 SFT=(examples/sft.py --config examples/configs/arith_sft.yaml model.path="$W/tiny_model")
 [ -d "$W/arith-sft/demo/checkpoints/final" ] || launch "${SFT[@]}"
 [ -d "$W/arith-sft-judge/demo/checkpoints/final" ] || launch "${SFT[@]}" \

@@ -6,15 +6,8 @@
 # uniform task (sums of three digits only), where no critic gets there, see
 # bench/arith_critic_and_rm.sh. About 20 minutes on 2 idle cores (the SFT is 10 of them).
 # Usage: bench/arith_ppo_critic.sh [WORKDIR]
-set -euo pipefail
-cd "$(dirname "$0")/.."
 W=${1:-runs/critic}
-PY=${PY:-.venv/bin/python}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-launch() { $PY -m arealite.launcher.local "$@" cluster.fileroot="$W"; }
-final() { ls -d "$W/$1"/checkpoints/final/*/ | tail -n 1; }
-
-[ -f "$W/tiny_model/config.json" ] || $PY -m arealite.testing.tiny_model "$W/tiny_model"
+source "$(dirname "$0")/launch_env.sh"  # cd to the repo; PY, launch, final; the tiny model
 [ -d "$W/arith-sft-mixed/demo/checkpoints/final" ] ||
   launch examples/sft.py --config examples/configs/arith_sft_mixed.yaml model.path="$W/tiny_model"
 SFT=$(final arith-sft-mixed/demo)
