@@ -237,3 +237,25 @@ def test_launcher_help_shows_one_section():
     cmd = [sys.executable, "-m", "arealite.launcher.local", *sft, "--help", "model"]
     p = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "model.optimizer.lr_scheduler_type: one of" in p.stdout, p.stderr
+
+
+def _entry_config(name: str):
+    """The config class of the entry point a shipped YAML is for (sft.py, rm.py, grpo.py)."""
+    from arealite.api.rm_config import RMConfig
+
+    if "_rm" in name and "grpo" not in name:
+        return RMConfig
+    return SFTConfig if "_sft" in name else GRPOConfig
+
+
+def test_every_shipped_yaml_loads_under_its_entry_point():
+    """A typo'd key or a wrong choice in examples/configs/*.yaml fails here, not in a user's run."""
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    paths = sorted(glob.glob(os.path.join(root, "configs", "*.yaml")))
+    assert len(paths) >= 14
+    for path in paths:
+        cfg = load_expr_config(["--config", path], _entry_config(os.path.basename(path)))
+        assert cfg.experiment_name, path
