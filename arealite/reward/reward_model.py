@@ -2,21 +2,21 @@
 
 The checkpoint is what `examples/rm.py` saves, of either head (arealite/api/rm_config.py):
 scalar, an HF token-classification model with one label; implicit / likelihood, an HF causal
-LM plus `reward_head.json` ({head, beta, reference}; implicit: naming the frozen reference). Where it is
-scored, and why: in the reward worker process (`rollout.reward_workers`), on CPU, one completion
-per call, like any reward of the contract (arealite/api/reward_api.py). The worker loads the
-model(s) once, on its first call; the trainer process never holds them, so no trainer memory or
-FSDP state is spent on them, a slow or failing score is bounded by `rollout.reward_timeout` and
-counted like any reward error, and weighted sums with other rewards work unchanged. Not batched:
-the contract scores one completion, and a tiny CPU model scores one in milliseconds; a large RM
-belongs on a server.
+LM plus `reward_head.json` ({head, beta, reference}; implicit: naming the frozen reference).
+Where it is scored, and why: in the reward worker process (`rollout.reward_workers`), on CPU,
+one completion per call, like any reward of the contract (arealite/api/reward_api.py). The
+worker loads the model(s) once, on its first call; the trainer process never holds them, so no
+trainer memory or FSDP state is spent on them, a slow or failing score is bounded by
+`rollout.reward_timeout` and counted like any reward error, and weighted sums with other
+rewards work unchanged. Not batched: the contract scores one completion, and a tiny CPU model
+scores one in milliseconds; a large RM belongs on a server.
 
 Scored on `prompt_ids ++ completion_ids ++ EOS` (EOS appended when the completion was cut
 before it), exactly how the model was trained (arealite/engine/rm/preference_data.py: prompt ++
 answer ++ EOS): scalar, the head's output at the last token; implicit, beta * the summed
 log-ratio policy / reference of the completion's tokens (EOS included); likelihood, beta * their
-mean logprob. Ids are scored as they
-are, so the RM must share the policy's tokenizer (train it from the same base model).
+mean logprob. Ids are scored as they are, so the RM must share the policy's tokenizer (train it
+from the same base model).
 """
 
 from __future__ import annotations
