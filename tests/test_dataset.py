@@ -277,3 +277,5 @@ def test_arith_mix_bad_tiers_fail_naming_the_tier():
         get_custom_dataset("arith", 0, 1, size=4, mix={"n_operands": 2})
     with pytest.raises(ValueError, match="n_operands"):
         get_custom_dataset("arith", 0, 1, size=4, mix=[{"n_operands": 1}])
+    with pytest.raises(ValueError, match="size=2 is smaller than the 3 tiers"):
+        get_custom_dataset("arith", 0, 1, size=2, mix=MIX)

@@ -111,6 +111,8 @@ def generate_mixed_problems(
     so every batch sees every tier; a held-out tier stops at its distinct problems."""
     if not isinstance(mix, (list, tuple)) or not all(isinstance(t, dict) for t in mix):
         raise ValueError(f"arith mix must be a list of tiers (dicts of {MIX_KNOBS}), got {mix!r}")
+    if size < len(mix):
+        raise ValueError(f"arith size={size} is smaller than the {len(mix)} tiers of mix")
     tiers = []
     for i, tier in enumerate(mix):
         unknown = set(tier) - set(MIX_KNOBS)
