@@ -85,7 +85,7 @@ def engine(tool_model_dir):
     from arealite.engine.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
 
-    server = launch_server(tool_model_dir, env={"OMP_NUM_THREADS": "1"})
+    server = launch_server(tool_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
     e = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=4))
     e.initialize([server.address])
     yield e

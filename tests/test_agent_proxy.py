@@ -73,7 +73,7 @@ def engine(tiny_model_dir):
     from arealite.engine.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
 
-    server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"})
+    server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
     e = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=64))
     e.initialize([server.address])
     yield e

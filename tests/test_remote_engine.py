@@ -30,7 +30,7 @@ def launch_many(model_path: str, n: int, **kw):
 
     def start(i):
         try:
-            out[i] = launch_server(model_path, **kw)
+            out[i] = launch_server(model_path, **{"dtype": "float32", **kw})
         except Exception as e:  # re-raised below
             errors.append(e)
 
@@ -86,7 +86,7 @@ def gen(max_new_tokens: int, **kw) -> GenerationHyperparameters:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = launch_server(tiny_model_dir, api_key=API_KEY)
+    s = launch_server(tiny_model_dir, api_key=API_KEY, dtype="float32")
     yield s
     s.stop()
 
@@ -168,7 +168,7 @@ def test_interrupted_generation_resumes_across_weight_update(
     tiny_model_dir, tiny_model_dir_v2, tmp_path_factory
 ):
     roots = ["--allowed-weight-roots", str(tmp_path_factory.getbasetemp())]  # v2 lives there
-    server = launch_server(tiny_model_dir, api_key=API_KEY, extra_args=roots)
+    server = launch_server(tiny_model_dir, api_key=API_KEY, extra_args=roots, dtype="float32")
     engine = make_engine([server.address])
     try:
         greedy = gen(8, greedy=True)

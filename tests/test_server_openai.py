@@ -80,7 +80,7 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tool_model_dir):
     env = {"OMP_NUM_THREADS": "1"}
-    with launch_server(tool_model_dir, api_key=API_KEY, env=env) as s:
+    with launch_server(tool_model_dir, api_key=API_KEY, env=env, dtype="float32") as s:
         yield s
 
 

@@ -33,7 +33,7 @@ DATA = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = launch_server(tiny_model_dir)
+    s = launch_server(tiny_model_dir, dtype="float32")
     yield s
     s.stop()
 

@@ -69,6 +69,8 @@ __all__ = [
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# `auto`: bf16 where the device multiplies it natively, else fp32 (arealite/utils/hardware.py).
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 # ----------------------------------------------------------------------------- training side
@@ -132,8 +134,11 @@ class OptimizerConfig(ConfigBase):
 class FSDPConfig(ConfigBase):
     """FSDP2 knobs."""
 
-    param_dtype: Dtype = field(
-        default="bfloat16", metadata=_help("Mixed-precision parameter dtype (compute).")
+    param_dtype: ComputeDtype = field(
+        default="auto",
+        metadata=_help(
+            "Compute dtype: auto = bf16 where native (CUDA >= 8.0, AVX512-BF16/AMX CPU), else fp32."
+        ),
     )
     reduce_dtype: Dtype = field(default="float32", metadata=_help("Gradient reduction dtype."))
     offload_params: bool = field(default=False, metadata=_help("CPU-offload parameters (GPU)."))

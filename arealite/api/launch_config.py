@@ -19,8 +19,9 @@ class ServerConfig(ConfigBase):
     """How the launcher starts inference servers (embedded, SGLang or vLLM)."""
 
     model_path: str = field(default="", metadata=_help("Defaults to actor.path."))
-    dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="bfloat16", metadata=_help("Server weight dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata=_help("Server weight dtype: auto = bf16 where the device computes it natively."),
     )
     host: str = field(default="127.0.0.1", metadata=_help("Bind address."))
     max_batch_size: int = field(default=64, metadata=_help("Embedded server batch cap."))

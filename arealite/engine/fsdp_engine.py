@@ -24,6 +24,7 @@ from arealite.engine.lora import adapter_weights, apply_lora, merge_lora_weights
 from arealite.engine.optimizer import build_optimizer
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
+from arealite.utils.hardware import resolve_dtype
 from arealite.utils.safe_state import read_json, safe_dcp_reader, write_json
 from arealite.utils.save_load import (
     atomic_dir,
@@ -62,16 +63,17 @@ class FSDPEngine(BaseHFEngine):
     def _build(self, ft_spec: FinetuneSpec | None) -> None:
         self.device = du.current_device()
         self.mesh = init_device_mesh(self.device.type, (du.world_size(),), mesh_dim_names=("dp",))
-        if self.device.type == "cpu" and self.config.fsdp.param_dtype != "float32":
+        fs = self.config.fsdp  # `auto` becomes what this device computes natively
+        fs.param_dtype = resolve_dtype(fs.param_dtype, self.device.type, "trainer compute")
+        if self.device.type == "cpu" and fs.param_dtype != "float32":
             logger.info(
                 "FSDP computes in %s on CPU: logprobs differ from an fp32 server by ~1e-2; "
                 "set fsdp.param_dtype=float32 for exact train/inference agreement",
-                self.config.fsdp.param_dtype,
+                fs.param_dtype,
             )
         model = load_hf_model(self.config)
         if self.config.lora is not None:  # adapters first: FSDP2 then wraps the PEFT model
             model = apply_lora(model, self.config.lora)
-        fs = self.config.fsdp
         self.model = apply_fsdp2(
             model,
             self.mesh,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from arealite.api.cli_args import ServerConfig
 from arealite.api.io_struct import AllocationMode
+from arealite.utils.hardware import resolve_dtype
 
 # Environment variable through which trainer ranks learn the server addresses.
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
@@ -96,7 +97,8 @@ def server_command(
             cmd += ["--context-length", str(cfg.context_length)]
     elif backend == "vllm":
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path]
-        cmd += ["--host", host, "--port", str(port), "--dtype", cfg.dtype]
+        dtype = cfg.dtype if on_gpu else resolve_dtype(cfg.dtype, "cpu", "vllm server")
+        cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
         # processed_logprobs: logprobs after temperature (what the trainer recomputes);
         # --enable-scale-out: the token-in/token-out /inference/v1/generate endpoint;
         # dev mode: pause/resume, /collective_rpc reload_weights, weight versions.

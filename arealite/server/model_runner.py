@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from arealite.server.protocol import GenerateRequest
 from arealite.server.sampling import SamplingTensors, sample_next_tokens
+from arealite.utils.hardware import resolve_dtype
 
 logger = logging.getLogger("arealite.server")
 
@@ -65,14 +66,10 @@ class _Batch:
     sampling: SamplingTensors | None = None
 
 
-def resolve_dtype(name: str, config) -> torch.dtype:
-    """'auto' follows the checkpoint, as SGLang and vLLM do."""
-    if name == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = DTYPES.get(dtype)
-        return dtype if isinstance(dtype, torch.dtype) else torch.float32
-    return DTYPES[name]
+def server_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 where `device` multiplies it natively, else fp32 (never fp16 silently); a
+    bf16 checkpoint on an AVX2-only CPU is served in fp32, ~50x faster than emulated bf16."""
+    return DTYPES[resolve_dtype(name, device.type, "server")]
 
 
 class ModelRunner:
@@ -84,12 +81,11 @@ class ModelRunner:
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str | None = None, seed=0):
         import transformers
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        config = AutoConfig.from_pretrained(model_path)
-        self.dtype = resolve_dtype(dtype, config)
+        self.dtype = server_dtype(dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         auto_cls = getattr(transformers, self.auto_model_class)
         self.model = auto_cls.from_pretrained(model_path, dtype=self.dtype)
