@@ -162,7 +162,7 @@ def test_io_struct_validation():
         ("recover.mode=always", "['disabled', 'auto', 'resume']"),
         ("actor.kl_estimator=k4", "['k1', 'k2', 'k3']"),
         ("actor.optimizer.lr_scheduler_type=exp", "['constant', 'linear', 'cosine']"),
-        ("actor.fsdp.param_dtype=fp8", "['float32', 'bfloat16', 'float16']"),
+        ("actor.fsdp.param_dtype=fp8", "['auto', 'float32', 'bfloat16', 'float16']"),
         ("ref.dtype=int8", "['float32', 'bfloat16', 'float16']"),
         ("train_dataset.too_long=truncate", "['drop', 'fail']"),
         ("actor.preset=nope", "['grpo', 'dr_grpo', 'dapo', 'rloo', 'reinforce_pp', 'gspo', 'ppo']"),
