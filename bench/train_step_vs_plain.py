@@ -3,10 +3,10 @@
 Figures (one JSON line per case, ratio last):
 - `arealite_step`: seconds of `actor.compute_logp` (proximal logprobs; skipped automatically
   when the update can reuse its own forward) + `compute_advantages` + `ppo_update`
-  (FSDPPPOActor, one trainer rank, the default dtype policy: fp32 master weights, bf16
-  compute, decoupled loss).
+  (FSDPPPOActor, one trainer rank, the default dtype policy: fp32 master weights, `auto`
+  compute (bf16 only where native), decoupled loss).
 - `plain_step`: seconds of one plain PyTorch step on the same model weights and tokens: HF
-  forward on the right-padded batch (sdpa + padding mask) under bf16 autocast, token logprobs,
+  forward on the right-padded batch (sdpa + padding mask), bf16 autocast where native, logprobs,
   a policy-gradient loss, backward, gradient clipping, AdamW (fp32 master weights).
 - `ratio` = arealite_step / plain_step (goal <= 1.3) and, in a fresh process each,
   `peak_rss_mb` of both (goal: arealite / plain <= 1.2 on case b).
@@ -30,6 +30,8 @@ import time
 
 import torch
 from bench_io import emit
+
+from arealite.utils.hardware import resolve_dtype
 
 CASES = {
     # name: (hidden, layers, intermediate, heads, kv_heads, n_seqs, min_len, max_len, prompt_len)
@@ -101,7 +103,8 @@ def arealite_step(actor, batch) -> None:
 
 
 class PlainStep:
-    """The baseline a user would write: HF model + AdamW, bf16 autocast, padded batch."""
+    """The baseline a user would write: HF model + AdamW, padded batch, bf16 autocast where the
+    CPU computes bf16 natively (the trainer's `dtype: auto` rule)."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM
@@ -116,7 +119,8 @@ class PlainStep:
         ids, att = batch["input_ids"], batch["attention_mask"]
         mask = batch["loss_mask"][:, 1:].bool()
         adv = batch["rewards"][:, None] - batch["rewards"].mean()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = resolve_dtype("auto", "cpu") == "bfloat16"  # as the trainer's `dtype: auto`
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = self.model(input_ids=ids, attention_mask=att.long()).logits[:, :-1]
         logp = logits.float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         ratio = torch.exp(logp - logp.detach())

@@ -16,8 +16,9 @@ from arealite.api.io_struct import GenerationHyperparameters, ModelRequest
 from arealite.api.workflow_api import RolloutError, RolloutWorkflow
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.rollout import WorkflowExecutor
+from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.server.process import launch_server
-from arealite.utils.data import pad_sequences_to_tensors
+from arealite.utils.data import concat_padded_tensors, pad_sequences_to_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -185,6 +186,40 @@ def test_prepare_batch_cycles_dataloader(engine_factory):
     # eta=1: at most (eta + v + 1) * B episodes were ever started.
     s = executor.stats()
     assert s["accepted"] + s["running"] <= (1 + 3 + 1) * 2
+
+
+class RewardedGroup(OneGeneration):
+    """A real generation, then a group of two rows whose rewards differ only for odd ids."""
+
+    async def arun_episode(self, engine, data):
+        td = await super().arun_episode(engine, data)
+        two = concat_padded_tensors([td, td.clone()])
+        two["rewards"] = torch.tensor([0.0, float(data["id"] % 2)])
+        return two
+
+
+@pytest.mark.parametrize("max_oversample", [3.0, 1.0])
+def test_equal_reward_groups_are_replaced_within_the_cap(engine_factory, max_oversample):
+    """DAPO's dynamic sampling at the executor: even ids (equal rewards) never reach the batch
+    and odd ones take their places; staleness counts accepted episodes only. With a cap of 1
+    (no over-sampling) every group is accepted and counted as uninformative."""
+    executor = engine_factory(consumer_batch_size=2, max_head_offpolicyness=0)
+    loader = DataLoader([{"id": i} for i in range(40)], batch_size=2, collate_fn=lambda x: x)
+    group_filter = InformativeGroupFilter(batch_size=2, max_oversample=max_oversample)
+    items = []
+    for step in range(3):
+        batch = executor.prepare_batch(loader, RewardedGroup(), group_filter)
+        assert batch.batch_size[0] == 4  # 2 groups x 2 rows: the batch is refilled, not shrunk
+        items += batch["item"][::2].tolist()
+        stats = group_filter.take_stats()
+        executor.set_version(step + 1)
+        assert stats["rollout/groups_dropped"] <= round((max_oversample - 1) * 2)
+    if max_oversample > 1:
+        assert all(i % 2 == 1 for i in items), items
+        assert executor.stats()["rejected"] > 0
+    else:
+        assert any(i % 2 == 0 for i in items) and executor.stats()["rejected"] == 0
+    assert executor.stats()["accepted"] - executor.stats()["ready"] == 6
 
 
 def test_pause_and_resume_new_episodes(engine_factory):

@@ -72,5 +72,14 @@ class LauncherConfig(ConfigBase):
     env_vars: list[str] = field(
         default_factory=list, metadata=_help("KEY=VALUE for every process.")
     )
+    cpu_threads: Literal["shared", "split"] = field(
+        default="shared",
+        metadata=_help(
+            "CPU-only nodes: shared = the trainer ranks and the servers each get every core "
+            "(divided among the ranks, resp. the servers) and idle thread pools sleep "
+            "(OMP_WAIT_POLICY=PASSIVE), so whichever side is busy has the machine; split = "
+            "cores // all processes, for runs where both sides compute all the time."
+        ),
+    )
     ray_address: Optional[str] = field(default=None, metadata=_help("Ray cluster; null = local."))
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

@@ -56,7 +56,7 @@ def start_servers(procs: ProcessSet, config, n_gpus: int) -> list[str]:
     alloc = config.allocation
     ports = find_free_ports(alloc.gen_n_servers, config.server.host)
     specs = plan_servers(alloc, config.server, ports, weight_roots(config), n_gpus)
-    threads = {} if n_gpus else {"OMP_NUM_THREADS": str(cpu_threads_per_process(config))}
+    threads = {} if n_gpus else cpu_thread_env(config, alloc.gen_n_servers)
     for s in specs:
         procs.start(f"server{s.index}", s.cmd, {**threads, **s.env}, critical=False)
     for s in specs:
@@ -81,16 +81,26 @@ def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int
     ]  # fmt: skip
 
 
-def cpu_threads_per_process(config) -> int:
-    """Cores per process when servers and trainer ranks share this node's CPUs: oversubscribed
-    torch thread pools spin against each other and run many times slower than one thread."""
+def cpu_thread_env(config, n_busy_together: int) -> dict[str, str]:
+    """OpenMP settings of one process on a CPU-only node, one of `n_busy_together` processes of
+    its side (trainer ranks, or servers) that compute at the same time (README "Performance").
+
+    `shared`: the asynchronous loop mostly alternates - generation waits at the staleness bound
+    while the trainer trains, the trainer waits for a batch or for weights while generation runs
+    - so each side gets every core and idle pools sleep instead of spinning (a spinning pool
+    steals the cores the busy side needs). `split`: a fixed cores // all processes each."""
+    cores = os.cpu_count() or 1
     alloc = config.allocation
-    return max(1, (os.cpu_count() or 1) // (alloc.gen_n_servers + alloc.train_world_size))
+    if config.launcher.cpu_threads == "split":
+        n = max(1, cores // (alloc.gen_n_servers + alloc.train_world_size))
+        return {"OMP_NUM_THREADS": str(n)}
+    return {"OMP_NUM_THREADS": str(max(1, cores // n_busy_together)), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
     env = dict(kv.split("=", 1) for kv in config.launcher.env_vars)
-    env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(config)))
+    for key, value in cpu_thread_env(config, config.allocation.train_world_size).items():
+        env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
     env[WATCH_PARENT_ENV] = "1"  # trainer workers exit when their torchrun agent dies
     if server_addrs:
