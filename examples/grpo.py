@@ -32,6 +32,7 @@ from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
+from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
@@ -146,6 +147,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         None, config.gconfig, processor or tokenizer, reward_pool=reward_pool,
         dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
     )  # fmt: skip
+    group_filter = None  # DAPO's dynamic sampling: equal-reward groups replaced, not trained
+    if config.actor.dynamic_sampling:
+        group_filter = InformativeGroupFilter(config.train_dataset.batch_size // world,
+                                              config.actor.dynamic_sampling_max_oversample)  # fmt: skip
     evaluation = make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor)
     weight_dir = os.path.join(config.run_dir, "weight_sync")
     trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
@@ -180,8 +185,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
         # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
         with stats_tracker.record_timing("rollout"):
-            if config.async_training:
-                batch = executor.prepare_batch(train_loader, workflow)
+            if config.async_training or group_filter is not None:  # eta = 0 is sync there too
+                batch = executor.prepare_batch(train_loader, workflow, group_filter)
             else:
                 try:
                     rows = next(data_iter)
@@ -240,6 +245,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
             stats.update({"actor/trainable_params": trainable, "actor/total_params": total,
                           "actor/optimizer_state_bytes": optimizer_state_bytes(actor.optimizer)})  # fmt: skip
         stats.update(stats_tracker.export())
+        if group_filter is not None:
+            stats.update(group_filter.take_stats())
         stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
         if hasattr(reward_pool, "component_stats"):  # a weighted sum: each reward's mean
             stats.update(reward_pool.component_stats())

@@ -240,7 +240,18 @@ class PPOActorConfig(TrainEngineConfig):
         default=None, metadata=_help("Mask tokens whose behaviour importance weight exceeds this.")
     )
     dynamic_sampling: bool = field(
-        default=False, metadata=_help("Drop groups whose rewards are all equal (DAPO).")
+        default=False,
+        metadata=_help(
+            "DAPO's dynamic sampling: the rollout executor drops groups whose rewards are all "
+            "equal and generates others in their place (arealite/rollout/group_filter.py)."
+        ),
+    )
+    dynamic_sampling_max_oversample: float = field(
+        default=3.0,
+        metadata=_help(
+            "Cap: at most (this - 1) x batch groups dropped per step; past it equal-reward "
+            "groups are trained on (their loss mask zeroed) and counted."
+        ),
     )
 
     def __post_init__(self):
@@ -251,6 +262,11 @@ class PPOActorConfig(TrainEngineConfig):
             raise ConfigError(f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
         if self.c_clip is not None and self.c_clip <= 1:
             raise ConfigError(f"actor.c_clip must be > 1 (dual clip), got {self.c_clip}")
+        if self.dynamic_sampling_max_oversample < 1:
+            raise ConfigError(
+                "actor.dynamic_sampling_max_oversample must be >= 1 (1 = never drop), got "
+                f"{self.dynamic_sampling_max_oversample}"
+            )
         if self.use_decoupled_loss and not self.recompute_logprob:
             raise ConfigError(
                 "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "
