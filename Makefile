@@ -32,7 +32,7 @@ lint: setup
 
 # Everything CI runs: lint, unit tests and integration tests (real servers, torchrun ranks).
 test: setup lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
 
 # Unit tests only (seconds).
 test-fast: setup

@@ -5,15 +5,16 @@ Every field has a default and a help text (`field(metadata={"help": ...})`); val
 `load_expr_config(argv, GRPOConfig)` reads `--config x.yaml` and then dotted `key=value`
 overrides, and names the key (and the closest valid one) when something is wrong. Choices are
 `Literal[...]` types. The launch-side configs (servers, cluster, launchers) live in
-`launch_config.py`, the data and service configs (datasets, saver, evaluator, recover, stats
-logger) in `data_config.py`, the algorithm presets in `presets.py`; all are re-exported here.
+`launch_config.py`, the training side (engines, actor, critic) in `train_config.py`, the data
+and service configs (datasets, saver, evaluator, recover, stats logger) in `data_config.py`, the
+algorithm presets in `presets.py`; all are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -34,9 +35,16 @@ from arealite.api.launch_config import (
     ServerConfig,
     SlurmConfig,
 )
-from arealite.api.lora_config import LoRAConfig
-from arealite.api.presets import ACTOR_PRESETS, PresetName
+from arealite.api.presets import ACTOR_PRESETS
 from arealite.api.reward_api import reward_specs
+from arealite.api.train_config import (
+    FSDPConfig,
+    MicroBatchSpec,
+    OptimizerConfig,
+    PPOActorConfig,
+    PPOCriticConfig,
+    TrainEngineConfig,
+)
 
 __all__ = [
     "MISSING",
@@ -66,241 +74,6 @@ __all__ = [
     "load_expr_config",
     "to_yaml",
 ]
-
-
-Dtype = Literal["float32", "bfloat16", "float16"]
-# `auto`: bf16 where the device multiplies it natively, else fp32 (arealite/utils/hardware.py).
-ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-# ----------------------------------------------------------------------------- training side
-
-
-@dataclass
-class MicroBatchSpec(ConfigBase):
-    """How a batch is split into micro-batches (packed, padding-free)."""
-
-    n_mbs: int = field(default=1, metadata=_help("Minimum number of micro-batches."))
-    max_tokens_per_mb: Optional[int] = field(
-        default=None,
-        metadata=_help("Token budget of one packed micro-batch; None = no budget (n_mbs only)."),
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.n_mbs < 1:
-            raise ConfigError(f"mb_spec.n_mbs must be >= 1, got {self.n_mbs}")
-        if self.max_tokens_per_mb is not None and self.max_tokens_per_mb < 1:
-            raise ConfigError(
-                f"mb_spec.max_tokens_per_mb must be >= 1 or null, got {self.max_tokens_per_mb}"
-            )
-
-
-@dataclass
-class OptimizerConfig(ConfigBase):
-    """AdamW with warmup and a constant / linear / cosine schedule."""
-
-    lr: float = field(default=1e-5, metadata=_help("Peak learning rate."))
-    weight_decay: float = field(default=0.01, metadata=_help("AdamW weight decay."))
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    min_lr_ratio: float = field(
-        default=0.0, metadata=_help("Final LR as a fraction of peak (linear / cosine).")
-    )
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = field(
-        default="constant", metadata=_help("LR schedule after warmup.")
-    )
-    warmup_steps_proportion: float = field(
-        default=0.0, metadata=_help("Fraction of total steps spent in linear warmup.")
-    )
-    gradient_clipping: float = field(
-        default=1.0, metadata=_help("Max global grad norm; <= 0 disables clipping.")
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.lr < 0:
-            raise ConfigError(f"optimizer.lr must be >= 0, got {self.lr}")
-        if not 0 <= self.warmup_steps_proportion <= 1:
-            raise ConfigError(
-                f"optimizer.warmup_steps_proportion must be in [0, 1], got {self.warmup_steps_proportion}"
-            )
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-
-
-@dataclass
-class FSDPConfig(ConfigBase):
-    """FSDP2 knobs."""
-
-    param_dtype: ComputeDtype = field(
-        default="auto",
-        metadata=_help(
-            "Compute dtype: auto = bf16 where native (CUDA >= 8.0, AVX512-BF16/AMX CPU), else fp32."
-        ),
-    )
-    reduce_dtype: Dtype = field(default="float32", metadata=_help("Gradient reduction dtype."))
-    offload_params: bool = field(default=False, metadata=_help("CPU-offload parameters (GPU)."))
-    reshard_after_forward: bool = True
-
-
-@dataclass
-class TrainEngineConfig(ConfigBase):
-    """A model trained by an FSDP2 engine."""
-
-    path: str = field(default="", metadata=_help("HF model directory or hub id."))
-    init_from_scratch: bool = field(
-        default=False, metadata=_help("Random init from the config at `path` (no weights).")
-    )
-    attn_impl: Literal["sdpa_varlen", "sdpa", "eager", "flash_attention_2"] = field(
-        default="sdpa_varlen",
-        metadata=_help(
-            "Attention for packed micro-batches: sdpa_varlen (exact, per-sequence sdpa, any "
-            "device) | flash_attention_2 (GPU) | sdpa / eager (dense block-diagonal mask)."
-        ),
-    )
-    dtype: Dtype = field(default="float32", metadata=_help("Master weight dtype."))
-    gradient_checkpointing: bool = False
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
-    optimizer: Optional[OptimizerConfig] = field(
-        default_factory=OptimizerConfig, metadata=_help("null for forward-only (reference) models.")
-    )
-    is_critic: bool = field(default=False, metadata=_help("Add a scalar value head."))
-    lora: Optional[LoRAConfig] = field(default=None, metadata=_help("Train LoRA adapters only."))
-    weight_update_bucket_mb: int = field(
-        default=256, metadata=_help("Bucket size for gathering / broadcasting weights.")
-    )
-
-
-@dataclass
-class PPOActorConfig(TrainEngineConfig):
-    """The policy: PPO / GRPO and their variants (see `preset`)."""
-
-    preset: Optional[PresetName] = field(
-        default=None,
-        metadata=_help(
-            "Apply a named algorithm's defaults (arealite/api/presets.py) before validation. "
-            "Explicit fields in the YAML still win."
-        ),
-    )
-    group_size: int = field(default=1, metadata=_help("Samples per prompt (GRPO group)."))
-    ppo_n_minibatches: int = field(default=1, metadata=_help("Optimizer steps per batch."))
-    temperature: float = field(default=1.0, metadata=_help("Sampling temperature (logprobs)."))
-    eps_clip: float = field(default=0.2, metadata=_help("PPO clip epsilon (lower)."))
-    eps_clip_higher: Optional[float] = field(
-        default=None, metadata=_help("DAPO clip-higher upper epsilon; null = eps_clip.")
-    )
-    c_clip: Optional[float] = field(
-        default=None, metadata=_help("Dual-clip constant (> 1) for negative advantages.")
-    )
-    importance_sampling_level: Literal["token", "sequence"] = field(
-        default="token", metadata=_help("token (PPO) or sequence (GSPO).")
-    )
-    # Reward shaping.
-    reward_scaling: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: float = 20.0
-    overlong_reward_penalty: bool = False
-    overlong_tokens: Optional[int] = None
-    overlong_penalty_factor: Optional[float] = None
-    mask_no_eos_with_zero: bool = field(
-        default=False, metadata=_help("Zero the reward of truncated (no EOS) answers.")
-    )
-    # Advantage estimation.
-    discount: float = 1.0
-    gae_lambda: float = 1.0
-    group_reward_mean_level: Literal["batch", "group", "none"] = field(
-        default="group", metadata=_help("Reward baseline.")
-    )
-    group_reward_std_level: Literal["batch", "group", "none"] = field(
-        default="group", metadata=_help("Reward std normaliser.")
-    )
-    leave_one_out: bool = field(default=False, metadata=_help("RLOO baseline within a group."))
-    adv_norm_mean_level: Literal["batch", "none"] = field(
-        default="none", metadata=_help("Token-level advantage mean norm.")
-    )
-    adv_norm_std_level: Literal["batch", "none"] = field(
-        default="none", metadata=_help("Token-level advantage std norm.")
-    )
-    # KL to a reference model.
-    kl_ctl: float = field(default=0.0, metadata=_help("KL penalty coefficient (needs ref)."))
-    kl_estimator: Literal["k1", "k2", "k3"] = field(
-        default="k1", metadata=_help("Schulman's KL estimators.")
-    )
-    # Off-policy correction.
-    recompute_logprob: bool = field(
-        default=True, metadata=_help("Recompute logprobs with the current weights before update.")
-    )
-    use_decoupled_loss: bool = field(
-        default=False, metadata=_help("Decoupled PPO: proximal policy = recomputed logprobs.")
-    )
-    behav_imp_weight_cap: Optional[float] = field(
-        default=None, metadata=_help("Mask tokens whose behaviour importance weight exceeds this.")
-    )
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata=_help(
-            "DAPO's dynamic sampling: the rollout executor drops groups whose rewards are all "
-            "equal and generates others in their place (arealite/rollout/group_filter.py)."
-        ),
-    )
-    dynamic_sampling_max_oversample: float = field(
-        default=3.0,
-        metadata=_help(
-            "Cap: at most (this - 1) x batch groups dropped per step; past it equal-reward "
-            "groups are trained on (their loss mask zeroed) and counted."
-        ),
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.group_size < 1:
-            raise ConfigError(f"actor.group_size must be >= 1, got {self.group_size}")
-        if self.ppo_n_minibatches < 1:
-            raise ConfigError(f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
-        if self.c_clip is not None and self.c_clip <= 1:
-            raise ConfigError(f"actor.c_clip must be > 1 (dual clip), got {self.c_clip}")
-        if self.dynamic_sampling_max_oversample < 1:
-            raise ConfigError(
-                "actor.dynamic_sampling_max_oversample must be >= 1 (1 = never drop), got "
-                f"{self.dynamic_sampling_max_oversample}"
-            )
-        if self.use_decoupled_loss and not self.recompute_logprob:
-            raise ConfigError(
-                "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "
-                "(the proximal policy is the recomputed logprob)"
-            )
-        if self.overlong_reward_penalty and (
-            self.overlong_tokens is None or self.overlong_penalty_factor is None
-        ):
-            raise ConfigError(
-                "actor.overlong_reward_penalty=true needs actor.overlong_tokens and "
-                "actor.overlong_penalty_factor"
-            )
-
-
-@dataclass
-class PPOCriticConfig(TrainEngineConfig):
-    """The value model for PPO (GAE)."""
-
-    is_critic: bool = True
-    ppo_n_minibatches: int = 1
-    value_eps_clip: float = field(default=0.2, metadata=_help("Value clipping epsilon."))
-    warmup_steps: int = field(
-        default=0,
-        metadata=_help(
-            "First RL steps in which only the critic trains (verl's critic_warmup): the actor "
-            "is not updated, so the values fit the initial policy's returns before they steer "
-            "it. Counts towards total_train_steps. Not the lr warmup of `optimizer`."
-        ),
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.warmup_steps < 0:
-            raise ConfigError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 # ----------------------------------------------------------------------------- rollout side
