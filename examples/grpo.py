@@ -26,10 +26,10 @@ from transformers import AutoTokenizer
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from arealite.dataset import default_reward, is_vision_dataset, load_rows
-from arealite.engine import make_remote_engine
 from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
+from arealite.inference import make_remote_engine
 from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter

@@ -82,7 +82,7 @@ def tokenizer(tool_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tool_model_dir):
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
 
     server = launch_server(tool_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")

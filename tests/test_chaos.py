@@ -247,7 +247,7 @@ def test_with_every_server_dead_the_client_waits_and_the_restarted_one_gets_the_
 
     from arealite.api.cli_args import InferenceEngineConfig
     from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
 
     weights = str(tmp_path / "weight_sync")

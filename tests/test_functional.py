@@ -1,4 +1,4 @@
-"""arealite.utils.functional against slow per-token Python references (float64, 1e-6).
+"""arealite.engine.ppo.functional against slow per-token Python references (float64, 1e-6).
 
 Run as a script under torchrun this file is also the 2-rank worker of the distributed test.
 """
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arealite.utils.functional import (
+from arealite.engine.ppo.functional import (
     compute_gae,
     compute_gae_packed,
     dynamic_sampling_mask,
@@ -27,14 +27,14 @@ from arealite.utils.functional import (
     ppo_critic_loss_fn,
     shape_rewards,
 )
-from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
-from arealite.utils.masked_stats import (
+from arealite.engine.ppo.masked_stats import (
     masked_mean,
     masked_normalization,
     masked_sum,
     masked_var,
     sequence_masked_mean,
 )
+from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
 
 F64 = torch.float64
 TOL = dict(atol=1e-6, rtol=1e-6)

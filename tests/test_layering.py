@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "utils": set(),
     "api": {"utils"},
     "engine": BASE,
+    "inference": BASE,
     "rollout": BASE,
     "trainer": BASE,
     "server": BASE,

@@ -382,7 +382,7 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
 
     from arealite.api.cli_args import InferenceEngineConfig
     from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
 
     weights = str(tmp_path / "weights")

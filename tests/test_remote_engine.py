@@ -13,8 +13,8 @@ import pytest
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
-from arealite.engine.remote_base import NoServerAvailable, ServerError
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference.remote_base import NoServerAvailable, ServerError
+from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.server.process import launch_server
 from arealite.utils.network import find_free_port
 

@@ -16,7 +16,7 @@ import pytest
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
 from arealite.dataset import get_custom_dataset
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.reward.clevr_count import clevr_count_reward_fn
 from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server

@@ -22,8 +22,8 @@ import torch
 
 from arealite.api.cli_args import InferenceEngineConfig, ServerConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
-from arealite.engine.remote_base import ServerError
-from arealite.engine.vllm_remote import RemoteVLLMEngine, token_versions
+from arealite.inference.remote_base import ServerError
+from arealite.inference.vllm_remote import RemoteVLLMEngine, token_versions
 from arealite.launcher.servers import server_command
 from arealite.utils.network import find_free_port
 

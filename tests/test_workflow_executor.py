@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest
 from arealite.api.workflow_api import RolloutError, RolloutWorkflow
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.server.process import launch_server

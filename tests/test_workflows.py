@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
 from arealite.utils.reward_pool import RewardPool

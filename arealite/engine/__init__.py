@@ -1,24 +1,3 @@
-"""Engines: the FSDP2 trainer family and the remote inference clients (SGLang, vLLM, embedded).
-Imports arealite.api and arealite.utils only."""
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from arealite.api.cli_args import InferenceEngineConfig
-    from arealite.engine.remote_base import RemoteInferenceEngine
-
-
-def make_remote_engine(backend: str, config: InferenceEngineConfig) -> RemoteInferenceEngine:
-    """The inference client for an allocation mode's backend: vLLM, or SGLang's protocol
-    (spoken by real SGLang servers and by our embedded server alike)."""
-    if backend == "vllm":
-        from arealite.engine.vllm_remote import RemoteVLLMEngine
-
-        return RemoteVLLMEngine(config)
-    if backend in ("sglang", "local"):
-        from arealite.engine.sglang_remote import RemoteSGLangEngine
-
-        return RemoteSGLangEngine(config)
-    raise ValueError(f"unknown inference backend {backend!r}; use sglang, vllm or local")
+"""Training engines: the FSDP2 trainer family (LM, PPO actor and critic, reward model) and its
+packing, attention and optimizer pieces. Imports arealite.api and arealite.utils only; the
+remote inference clients live in arealite.inference."""

@@ -23,9 +23,7 @@ from arealite.api.cli_args import PPOActorConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.packing import packed_logprobs, target_mask
-from arealite.utils import distributed as du
-from arealite.utils.data import split_padded_tensor_dict
-from arealite.utils.functional import (
+from arealite.engine.ppo.functional import (
     compute_gae,
     dynamic_sampling_mask,
     group_normalize,
@@ -35,7 +33,9 @@ from arealite.utils.functional import (
     ppo_actor_loss_fn,
     shape_rewards,
 )
-from arealite.utils.masked_stats import masked_mean
+from arealite.engine.ppo.masked_stats import masked_mean
+from arealite.utils import distributed as du
+from arealite.utils.data import split_padded_tensor_dict
 
 # Statistics accumulated over micro-batches as token-weighted sums (then all-reduced).
 _SUM_KEYS = ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask", "entropy")

@@ -16,8 +16,8 @@ from typing import Protocol
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import ParamSpec, WeightUpdateMeta
-from arealite.engine.server_http import ServerError, ServerHTTP, parse_version
-from arealite.engine.server_pool import NoServerAvailable, ServerPool
+from arealite.inference.server_http import ServerError, ServerHTTP, parse_version
+from arealite.inference.server_pool import NoServerAvailable, ServerPool
 
 logger = logging.getLogger("arealite.remote")
 

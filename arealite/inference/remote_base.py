@@ -26,9 +26,9 @@ from typing import Any
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
-from arealite.engine.remote_weights import WeightUpdates
-from arealite.engine.server_http import ServerError, ServerHTTP, ServerUnavailable, parse_version
-from arealite.engine.server_pool import NoServerAvailable, ServerPool, resolve_addresses
+from arealite.inference.remote_weights import WeightUpdates
+from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavailable, parse_version
+from arealite.inference.server_pool import NoServerAvailable, ServerPool, resolve_addresses
 from arealite.utils.loop_thread import LoopThread
 
 __all__ = [

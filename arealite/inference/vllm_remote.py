@@ -39,8 +39,8 @@ from typing import Any
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
-from arealite.engine.remote_base import GenerateChunk, RemoteInferenceEngine
-from arealite.engine.server_http import ServerError, parse_version
+from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
+from arealite.inference.server_http import ServerError, parse_version
 
 GENERATE_PATH = "/inference/v1/generate"
 _FINISH_TYPES = ("stop", "length", "abort")

@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from arealite.engine.server_http import ServerError, ServerHTTP, ServerUnavailable
+from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavailable
 
 logger = logging.getLogger("arealite.remote")
 

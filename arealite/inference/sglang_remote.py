@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from arealite.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
-from arealite.engine.remote_base import GenerateChunk, RemoteInferenceEngine
-from arealite.engine.server_http import ServerError, parse_version
+from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
+from arealite.inference.server_http import ServerError, parse_version
 from arealite.utils.run_lock import fencing_token
 
 _FINISH_TYPES = ("stop", "length", "abort")

@@ -22,8 +22,7 @@ from typing import Literal
 
 import torch
 
-from arealite.utils.logprobs import compute_dtype
-from arealite.utils.masked_stats import (
+from arealite.engine.ppo.masked_stats import (
     as_bool_mask,
     masked_count_sum,
     masked_mean,
@@ -32,6 +31,7 @@ from arealite.utils.masked_stats import (
     packed_seq_ids,
     sequence_masked_mean,
 )
+from arealite.utils.logprobs import compute_dtype
 
 __all__ = [
     "kl_estimator",

@@ -1,0 +1,246 @@
+"""Time to accuracy: TRL's `GRPOTrainer` vs arealite's GRPO loop on the demo's arithmetic task.
+
+Both start from the same SFT warm start (the tiny offline model fine-tuned by arith_sft.yaml),
+train on the same prompts (sums of three one-digit numbers, 16 prompts x 8 samples, 8 new
+tokens, temperature 1), with the same reward (arealite's exact-match `arith` reward), lr 1e-4,
+clip 0.2, no KL, dtype auto (fp32 on a CPU without native bf16), on this machine, one after the
+other, each for `--minutes` of wall clock. Greedy held-out accuracy (200 unseen problems) is
+taken every 60 s in both: TRL through a callback that runs `model.generate`, arealite through
+its evaluator (`evaluator.freq_secs=60`, greedy through the server).
+
+Figures (JSON lines): per system and seed the accuracy at each minute, seconds per step, and
+CPU-seconds per informative sample (samples in groups whose rewards differ: the ones with a
+gradient); then, over seeds, the mean time to reach each accuracy level and the ratios
+TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install -e .[bench]`).
+
+    python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_io import EXAMPLES, REPO, emit
+from e2e_async_vs_sync import build_warm_start
+
+from arealite.utils.hardware import cpu_summary, resolve_dtype
+
+TASK = dict(max_digits=1, n_operands=3)
+BATCH_PROMPTS, N_SAMPLES, NEW_TOKENS, LR = 16, 8, 8, 1e-4
+LEVELS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def cpu_seconds_of_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+# ----------------------------------------------------------------------------- arealite
+
+
+def run_arealite(model: str, seed: int, minutes: float, workdir: str) -> dict:
+    """The launcher on arith_grpo.yaml, stopped (SIGTERM) once an evaluation past the budget is
+    logged; the evaluations are read from its metrics.jsonl."""
+    run = f"seed{seed}"
+    args = [
+        f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
+        f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
+        "evaluator.freq_steps=null", "evaluator.freq_secs=60",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
+           "--config", os.path.join(EXAMPLES, "configs", "arith_grpo.yaml"), *args]  # fmt: skip
+    metrics = os.path.join(workdir, "vs-trl", run, "metrics.jsonl")
+    cpu0, t0 = cpu_seconds_of_children(), time.monotonic()
+    with open(os.path.join(workdir, f"arealite_{run}.log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(2)
+            recs = read_jsonl(metrics)
+            if any(
+                r.get("eval/accuracy") is not None and r["wall_time"] >= minutes * 60 for r in recs
+            ):
+                break
+            if time.monotonic() - t0 > minutes * 60 + 300:
+                break  # an evaluation that never comes must not hang the bench
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    recs = read_jsonl(metrics)
+    evals = [(0.0, recs[0]["eval/accuracy_before_training"])] if recs else []
+    evals += [
+        (r["wall_time"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None
+    ]
+    informative = sum(
+        r.get("rollout/groups_generated", BATCH_PROMPTS) - r.get("rollout/groups_dropped", 0)
+        - r.get("rollout/groups_accepted_uninformative", 0) for r in recs
+    ) * N_SAMPLES  # fmt: skip
+    wall = [r["wall_time"] for r in recs]
+    return summarize("arealite", seed, evals, len(recs), wall[-1] - wall[0] if wall else 0,
+                     cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def run_trl(model: str, seed: int, minutes: float, workdir: str) -> dict:
+    """TRL in a child process (its own threads and memory); it writes its evaluations."""
+    out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
+    cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
+           "--minutes", str(minutes), "--workdir", out]  # fmt: skip
+    cpu0 = cpu_seconds_of_children()
+    with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    recs = read_jsonl(out)
+    evals = [(r["t"], r["accuracy"]) for r in recs if "accuracy" in r]
+    steps = [r for r in recs if "step_time" in r]
+    informative = sum(r.get("informative_groups", 0) for r in recs) * N_SAMPLES
+    return summarize("trl", seed, evals, len(steps), sum(r["step_time"] for r in steps),
+                     cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
+
+
+def trl_child(model: str, seed: int, minutes: float, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from arealite.dataset.arith import get_arith_dataset
+    from arealite.reward.arith import last_integer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    train = get_arith_dataset("train", size=20000, **TASK).map(lambda r: {"prompt": r["messages"]})
+    test = list(get_arith_dataset("test", size=200, **TASK))
+    dtype = getattr(torch, resolve_dtype("auto", "cpu"))
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    log = open(out, "w")
+
+    def reward(prompts, completions, answer, **_):
+        return [float(last_integer(c[0]["content"]) == int(a)) for c, a in zip(completions, answer)]
+
+    def accuracy() -> float:
+        tok.padding_side = "left"
+        texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+                 for r in test]  # fmt: skip
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        policy.eval()
+        with torch.no_grad():
+            gen = policy.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=tok.pad_token_id)  # fmt: skip
+        policy.train()
+        outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        return sum(last_integer(o) == int(r["answer"]) for o, r in zip(outs, test)) / len(test)
+
+    class EveryMinute(TrainerCallback):
+        def __init__(self):
+            self.t0 = self.last = time.monotonic()
+            self.next_eval = 60.0
+            write({"t": 0.0, "accuracy": accuracy()})
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.monotonic()
+            write({"step_time": now - self.last})
+            if now - self.t0 >= self.next_eval:
+                write({"t": now - self.t0, "accuracy": accuracy()})
+                self.next_eval += 60.0
+            if now - self.t0 >= minutes * 60:
+                control.should_training_stop = True
+            self.last = time.monotonic()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            frac = (logs or {}).get("frac_reward_zero_std")
+            if frac is not None:
+                write({"informative_groups": (1 - frac) * BATCH_PROMPTS})
+
+    def write(rec):
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    args = GRPOConfig(
+        output_dir=os.path.dirname(out), per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
+        num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=LR,
+        lr_scheduler_type="constant", beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
+        max_steps=10**6, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=train,
+                          processing_class=tok, callbacks=[])  # fmt: skip
+    trainer.add_callback(EveryMinute())
+    trainer.train()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(system, seed, evals, steps, train_s, cpu_s, informative) -> dict:
+    reached = {f"t_{lv}": next((round(t, 1) for t, a in evals if a >= lv), None) for lv in LEVELS}
+    rec = {
+        "system": system, "seed": seed, "steps": steps,
+        "sec_per_step": round(train_s / max(1, steps), 3),
+        "accuracy_by_minute": [[round(t / 60, 2), round(a, 3)] for t, a in evals],
+        "cpu_s_per_informative_sample": round(cpu_s / max(1, informative), 4),
+        **reached,
+    }  # fmt: skip
+    emit("run", **rec)
+    return rec
+
+
+def compare(runs: list[dict]) -> None:
+    """Mean time to each level over seeds (only levels every seed of both systems reached)."""
+    by = {s: [r for r in runs if r["system"] == s] for s in ("trl", "arealite")}
+    for lv in LEVELS:
+        times = {s: [r[f"t_{lv}"] for r in rs] for s, rs in by.items()}
+        if all(rs and None not in times[s] for s, rs in by.items()):
+            mean = {s: statistics.mean(v) for s, v in times.items()}
+            emit("time_to_accuracy", level=lv, trl_s=round(mean["trl"], 1),
+                 arealite_s=round(mean["arealite"], 1),
+                 ratio_trl_over_arealite=round(mean["trl"] / max(mean["arealite"], 1e-9), 2))  # fmt: skip
+    if all(by.values()):
+        sps = {s: statistics.mean(r["sec_per_step"] for r in rs) for s, rs in by.items()}
+        final = {
+            s: statistics.mean(r["accuracy_by_minute"][-1][1] for r in rs) for s, rs in by.items()
+        }
+        emit("summary", trl_sec_per_step=round(sps["trl"], 3),
+             arealite_sec_per_step=round(sps["arealite"], 3),
+             steps_per_s_ratio_arealite_over_trl=round(sps["trl"] / sps["arealite"], 2),
+             trl_final_accuracy=round(final["trl"], 3),
+             arealite_final_accuracy=round(final["arealite"], 3))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--systems", default="trl,arealite")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--model-path", default=None, help="a warm start (default: build one)")
+    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_child:
+        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.workdir)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
+    emit("machine", cores=os.cpu_count(), **cpu_summary())
+    model = args.model_path or build_warm_start(workdir, [])
+    runners = {"trl": run_trl, "arealite": run_arealite}
+    runs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for system in args.systems.split(","):
+            runs.append(runners[system](model, seed, args.minutes, workdir))
+    compare(runs)
+
+
+if __name__ == "__main__":
+    main()
