@@ -1,2 +1,2 @@
-"""arealite: asynchronous RL (GRPO/PPO, SFT) for LLMs; packages by layer, see DESIGN.md.
+"""arealite: asynchronous RL (GRPO/PPO, SFT) for LLMs; packages by layer, see docs/design.md.
 This file imports nothing: `import arealite` stays cheap (no torch)."""

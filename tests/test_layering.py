@@ -1,4 +1,4 @@
-"""The package layering of DESIGN.md holds: no upward import, no import cycle, no sys.modules;
+"""The package layering of docs/design.md holds: no upward import, no import cycle, no sys.modules;
 and no library file, class or function grows past the size a reader can hold.
 
 Imports are read from the source with `ast` (every import statement, including ones inside
@@ -17,7 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "arealite")
 
-# DESIGN.md's import rule: the arealite packages each package may import besides itself.
+# docs/design.md's import rule: the arealite packages each package may import besides itself.
 BASE = {"api", "utils"}
 ALLOWED: dict[str, set[str]] = {
     "utils": set(),
@@ -94,7 +94,7 @@ def upward_imports(modules: dict[str, str]) -> list[str]:
             if pkg is None:
                 errors.append(f"{rel}:{line}: arealite/__init__.py imports {target}")
             elif pkg not in ALLOWED:
-                errors.append(f"{rel}:{line}: package {pkg!r} has no rule in DESIGN.md")
+                errors.append(f"{rel}:{line}: package {pkg!r} has no rule in docs/design.md")
             elif tpkg not in ALLOWED[pkg]:
                 may = sorted(ALLOWED[pkg]) or "no other arealite package"
                 errors.append(f"{rel}:{line}: {pkg} imports {target} (it may import {may})")

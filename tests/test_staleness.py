@@ -1,4 +1,4 @@
-"""StalenessController: the admission formula of DESIGN.md, checked case by case."""
+"""StalenessController: the admission formula of docs/design.md, checked case by case."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from arealite.rollout import StalenessController
 
 
 def capacity_by_formula(C, B, eta, W, v, running, accepted):
-    """min(C/W - running, (eta + v + 1) * B/W - (accepted + running)), as DESIGN.md writes it."""
+    """min(C/W - running, (eta + v + 1) * B/W - (accepted + running)), as docs/design.md writes it."""
     c, b = max(1, C // W), max(1, B // W)
     return min(c - running, (eta + v + 1) * b - (accepted + running))
 

@@ -1,7 +1,7 @@
 """RemoteSGLangEngine: the InferenceEngine over SGLang's native HTTP API.
 
 Works unchanged against a real SGLang server and against the embedded server
-(`python -m arealite.server`), which speaks the same subset (DESIGN.md, wire protocol).
+(`python -m arealite.server`), which speaks the same subset (docs/design.md, wire protocol).
 All shared machinery (routing, retries, fail-over, interruptible generation, the weight-update
 choreography) lives in `RemoteInferenceEngine`; this file only says how SGLang spells each call.
 

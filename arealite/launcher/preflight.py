@@ -147,7 +147,7 @@ def resolve_models(config, script_args: list[str]) -> list[str]:
 
 
 def _dataset_layer():
-    """The dataset layer, imported by name: the launcher does not build rows itself (DESIGN.md's
+    """The dataset layer, imported by name: the launcher does not build rows itself (docs/design.md's
     import rule), it only asks the layer the training script will use to open the data."""
     return importlib.import_module("arealite.dataset")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StalenessController:
-    """Bounds how far rollouts run ahead of training (DESIGN.md, "Asynchrony and staleness").
+    """Bounds how far rollouts run ahead of training (docs/design.md, "Asynchrony and staleness").
 
     With C = max_concurrent_rollouts, B = consumer_batch_size, eta = max_head_offpolicyness,
     v = the current policy version and W = the trainer's data-parallel size (each rank runs its

@@ -1,4 +1,4 @@
-"""Embedded inference server speaking SGLang's native HTTP subset (DESIGN.md, wire protocol).
+"""Embedded inference server speaking SGLang's native HTTP subset (docs/design.md, wire protocol).
 Imports arealite.api and arealite.utils only.
 
 Run it with ``python -m arealite.server --model-path P --port N``; from Python (tests,

@@ -1,4 +1,4 @@
-"""aiohttp front end speaking the SGLang-native subset (DESIGN.md, "Inference server wire protocol").
+"""aiohttp front end speaking the SGLang-native subset (docs/design.md, "Inference server wire protocol").
 
 Handlers validate, enqueue into the Scheduler and await its futures; the model never runs on the
 event loop. Every error is a JSON body with an "error" field naming the problem.

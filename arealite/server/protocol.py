@@ -1,4 +1,4 @@
-"""Request validation for the SGLang-native `/generate` subset (DESIGN.md, wire protocol).
+"""Request validation for the SGLang-native `/generate` subset (docs/design.md, wire protocol).
 
 Validation lives apart from the HTTP layer so that every malformed request becomes one
 `BadRequest` naming the offending field, and the scheduler only ever sees well-formed work.

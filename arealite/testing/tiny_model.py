@@ -4,7 +4,7 @@ Tests and the CPU demo must never touch a model hub, yet they should exercise ex
 path real users take (`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(path)`). So we
 write a real HF model directory, then everything else loads it by path.
 
-Tokenizer pitfall (see DESIGN.md): with `model_type=qwen2`, transformers 5 loads `Qwen2Tokenizer`,
+Tokenizer pitfall (see docs/design.md): with `model_type=qwen2`, transformers 5 loads `Qwen2Tokenizer`,
 which swaps in Qwen's own normalizer and pre-tokenizer whatever `tokenizer.json` says. So we train
 with exactly that pipeline (NFC, Qwen's split regex, ByteLevel without its own regex): the ids are
 then the same whichever tokenizer class (or transformers version, e.g. inside vLLM) loads it.

@@ -99,7 +99,7 @@ def build_tiny_vlm_processor(out_dir: str, vocab_size: int = 1024, max_pixels: i
         image_processor_type="Qwen2VLImageProcessor",
         processor_class="Qwen2VLProcessor",
     )
-    # Keep our trained pipeline: `qwen2_vl` would otherwise map to Qwen2Tokenizer (DESIGN.md pitfall).
+    # Keep our trained pipeline: `qwen2_vl` would otherwise map to Qwen2Tokenizer (docs/design.md pitfall).
     _patch_json(
         out_dir,
         "tokenizer_config.json",

@@ -2,7 +2,7 @@
 
 A long RL run is watched through its log, so each step prints the few numbers that say whether
 it is healthy: reward, speed, staleness of the rollouts, and the behaviour KL (trainer vs server
-logprobs; it must stay near zero, see DESIGN.md), plus an ETA.
+logprobs; it must stay near zero, see docs/design.md), plus an ETA.
 
     step 12/200 | reward 0.4375 | loss 1.203 | 3.21 s/step | 1520 tok/s | staleness 1.50 |
     behave_kl 2.1e-05 | ETA 10m03s
