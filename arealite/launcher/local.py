@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from arealite.api.cli_args import to_yaml
+from arealite.launcher.placement import GpuPlan, plan_local, trainer_nccl_env
 from arealite.launcher.preflight import check_resources, load_and_check
 from arealite.launcher.process import (
     LaunchError,
@@ -51,12 +52,13 @@ def visible_gpu_count() -> int:
         return 0
 
 
-def start_servers(procs: ProcessSet, config, n_gpus: int) -> list[str]:
+def start_servers(procs: ProcessSet, config, gpus: GpuPlan | None) -> list[str]:
     """Start every inference server and wait until all are healthy; returns their addresses."""
     alloc = config.allocation
     ports = find_free_ports(alloc.gen_n_servers, config.server.host)
-    specs = plan_servers(alloc, config.server, ports, weight_roots(config), n_gpus)
-    threads = {} if n_gpus else cpu_thread_env(config, alloc.gen_n_servers)
+    envs = [gpus.server_env(i) for i in range(alloc.gen_n_servers)] if gpus else None
+    specs = plan_servers(alloc, config.server, ports, weight_roots(config), envs)
+    threads = {} if gpus else cpu_thread_env(config, alloc.gen_n_servers)
     for s in specs:
         procs.start(f"server{s.index}", s.cmd, {**threads, **s.env}, critical=False)
     for s in specs:
@@ -97,10 +99,15 @@ def cpu_thread_env(config, n_busy_together: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, cores // n_busy_together)), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def trainer_env(config, server_addrs: list[str]) -> dict[str, str]:
+def trainer_env(config, server_addrs: list[str], gpus: GpuPlan | None = None) -> dict[str, str]:
+    """Environment of the trainer's torchrun: the user's launcher.env_vars, CPU threads, the
+    NCCL settings the servers run with, and (local launcher) the trainer's GPUs."""
     env = dict(kv.split("=", 1) for kv in config.launcher.env_vars)
     for key, value in cpu_thread_env(config, config.allocation.train_world_size).items():
         env.setdefault(key, value)
+    env.update(trainer_nccl_env(env))
+    if gpus is not None:
+        env.update(gpus.trainer_env())
     env["PYTHONUNBUFFERED"] = "1"
     env[WATCH_PARENT_ENV] = "1"  # trainer workers exit when their torchrun agent dies
     if server_addrs:
@@ -147,8 +154,10 @@ def failed_ranks_summary(log_path: str) -> str:
 
 def run(argv: list[str]) -> int:
     script, script_args, config = load_and_check(argv)
-    n_gpus = visible_gpu_count() if config.cluster.n_gpus_per_node else 0
-    check_resources(config, n_gpus if config.cluster.n_gpus_per_node else None)
+    check_resources(config)
+    n_physical = visible_gpu_count() if config.cluster.n_gpus_per_node else 0
+    gpus = plan_local(config, n_physical, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    logger.info("%s", gpus.describe() if gpus else "CPU run (cluster.n_gpus_per_node=0)")
     share_server_api_key(config)
     log_dir = os.path.join(config.run_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -157,12 +166,12 @@ def run(argv: list[str]) -> int:
     procs = ProcessSet(log_dir)
     install_signal_handlers(lambda signum: logger.warning("signal %d: stopping the run", signum))
     try:
-        addrs = [] if config.allocation.train_only else start_servers(procs, config, n_gpus)
+        addrs = [] if config.allocation.train_only else start_servers(procs, config, gpus)
         attempts = 1 + (config.recover.retries if config.recover.mode != "disabled" else 0)
         for attempt in range(attempts):
             port = config.launcher.trainer_port or find_free_port()
             cmd = trainer_command(script, script_args, config.allocation.train_world_size, port)
-            procs.start("trainer", cmd, trainer_env(config, addrs), stream=True)
+            procs.start("trainer", cmd, trainer_env(config, addrs, gpus), stream=True)
             rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))
             procs.kill_group("trainer")  # no worker of this attempt outlives its agent
             if rc == 0:

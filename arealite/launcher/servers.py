@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from arealite.api.cli_args import ServerConfig
 from arealite.api.io_struct import AllocationMode
+from arealite.launcher.placement import SGLANG_NCCL_ENV
 from arealite.utils.hardware import resolve_dtype
 
 # Environment variable through which trainer ranks learn the server addresses.
@@ -88,6 +89,8 @@ def server_command(
         cmd += ["--max-batch-size", str(cfg.max_batch_size)]
         for root in weight_roots:
             cmd += ["--allowed-weight-roots", root]
+        if on_gpu:  # it joins the trainer's NCCL group: same settings as SGLang's servers
+            env.update(SGLANG_NCCL_ENV)
     elif backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
         cmd += ["--host", host, "--port", str(port), "--tp-size", str(tp_size)]
@@ -123,17 +126,18 @@ def plan_servers(
     cfg: ServerConfig,
     ports: list[int],
     weight_roots: list[str],
-    n_gpus: int = 0,
+    gpus: list[dict[str, str]] | None = None,
 ) -> list[ServerSpec]:
-    """One ServerSpec per generation replica; GPUs are handed out in order when present."""
+    """One ServerSpec per generation replica; `gpus[i]`: server i's device environment from
+    the run's GPU plan (launcher/placement.py), None on CPU."""
     specs = []
     tp = alloc.gen.tensor_parallel_size if alloc.gen else 1
     for i in range(alloc.gen_n_servers):
         cmd, env = server_command(
-            alloc.gen_backend, cfg, cfg.host, ports[i], tp, weight_roots, on_gpu=n_gpus > 0
+            alloc.gen_backend, cfg, cfg.host, ports[i], tp, weight_roots, on_gpu=bool(gpus)
         )
-        if n_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * tp + j) for j in range(tp))
+        if gpus:
+            env.update(gpus[i])
         specs.append(ServerSpec(i, cfg.host, ports[i], cmd, env))
     return specs
 

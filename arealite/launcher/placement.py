@@ -1,0 +1,98 @@
+"""Which GPUs each process of a run gets: one rule for every launcher.
+
+Devices are handed out from one counter over the GPUs this launcher may use (an existing
+`CUDA_VISIBLE_DEVICES`, else every GPU of the node): first each inference server's
+tensor-parallel group, then the trainer ranks, so no trainer rank ever lands next to a server
+holding most of a GPU's memory, and no NCCL group ever has two members on one device. The
+local launcher applies the plan itself; Ray and Slurm get the same disjointness from their
+schedulers (`num_gpus` bundles, `--gres` steps), and every launcher gives trainer ranks the
+NCCL settings SGLang sets in its own processes (`trainer_nccl_env`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from arealite.api.cli_args import ConfigError
+
+# NCCL settings SGLang sets in its processes (sglang/srt/entrypoints/engine.py,
+# `_set_envs_and_config`, default server args: no symmetric memory, no NVLS). Every member of
+# the weight-update communicator must agree, or its creation can hang.
+SGLANG_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def trainer_nccl_env(user_env: dict[str, str] | None = None) -> dict[str, str]:
+    """SGLang's NCCL settings for trainer ranks; a value the user set explicitly wins."""
+    user_env = user_env or {}
+    return {k: v for k, v in SGLANG_NCCL_ENV.items() if k not in user_env}
+
+
+def visible_devices(n_physical: int, cuda_visible: str | None) -> list[str]:
+    """The device ids this launcher may hand out: the entries of an existing
+    CUDA_VISIBLE_DEVICES (indices or UUIDs, as CUDA reads them: up to the first invalid
+    entry) or 0..n_physical-1. An empty CUDA_VISIBLE_DEVICES hides every GPU."""
+    if cuda_visible is None:
+        return [str(i) for i in range(n_physical)]
+    out = []
+    for entry in (e.strip() for e in cuda_visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break  # CUDA ignores everything from the first invalid entry on
+        out.append(entry)
+    return out
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """Device ids (CUDA_VISIBLE_DEVICES entries) of each server and of the trainer ranks;
+    trainer rank LOCAL_RANK uses the LOCAL_RANK-th of `trainer`."""
+
+    servers: tuple[tuple[str, ...], ...]
+    trainer: tuple[str, ...]
+
+    def server_env(self, index: int) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.servers[index])}
+
+    def trainer_env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.trainer)}
+
+    def describe(self) -> str:
+        lines = [f"server{i}: GPU {','.join(d)}" for i, d in enumerate(self.servers)]
+        lines += [f"trainer rank {r}: GPU {d}" for r, d in enumerate(self.trainer)]
+        return "GPU placement:\n  " + "\n  ".join(lines)
+
+
+def plan_gpus(n_servers: int, tp: int, n_ranks: int, devices: list[str]) -> GpuPlan:
+    """Servers first (`tp` devices each: a server's whole model-parallel group), then one device per trainer rank, from one counter;
+    ConfigError naming the shortfall when `devices` are too few."""
+    need = n_servers * tp + n_ranks
+    if need > len(devices):
+        raise ConfigError(
+            f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) + {n_ranks} trainer rank(s) "
+            f"need {need} distinct GPUs, but {len(devices)} are available ({','.join(devices) or 'none'}); "
+            "servers and trainer ranks never share a GPU (a shared GPU runs out of memory and "
+            "NCCL refuses two ranks on one device): shrink allocation_mode or add GPUs"
+        )
+    servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
+    start = n_servers * tp
+    return GpuPlan(servers, tuple(devices[start : start + n_ranks]))
+
+
+def plan_local(config, n_physical: int, cuda_visible: str | None) -> GpuPlan | None:
+    """The local launcher's plan for `config`, or None for a CPU run (`cluster.n_gpus_per_node`
+    is 0 or the node shows no GPU). Only the first `n_gpus_per_node` visible GPUs are used."""
+    per_node = config.cluster.n_gpus_per_node
+    devices = visible_devices(n_physical, cuda_visible)
+    if not per_node:
+        return None
+    if per_node > len(devices):
+        where = (
+            f"CUDA_VISIBLE_DEVICES={cuda_visible!r}" if cuda_visible is not None else "this node"
+        )
+        raise ConfigError(
+            f"cluster.n_gpus_per_node={per_node} but {where} shows {len(devices)} GPU(s); "
+            "set cluster.n_gpus_per_node to the GPUs you mean to use (0: CPU only)"
+        )
+    alloc = config.allocation
+    n_servers = alloc.gen_n_servers
+    per_server = alloc.gen_world_size // n_servers if n_servers else 1
+    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node])
