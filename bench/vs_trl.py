@@ -201,7 +201,8 @@ def summarize(system, seed, evals, steps, train_s, cpu_s, informative) -> dict:
 def compare(runs: list[dict]) -> None:
     """Mean time to each level over seeds (only levels every seed of both systems reached)."""
     by = {s: [r for r in runs if r["system"] == s] for s in ("trl", "arealite")}
-    for lv in LEVELS:
+    start = max(r["accuracy_by_minute"][0][1] for r in runs)  # the shared warm start's accuracy
+    for lv in (lv for lv in LEVELS if lv > start):
         times = {s: [r[f"t_{lv}"] for r in rs] for s, rs in by.items()}
         if all(rs and None not in times[s] for s, rs in by.items()):
             mean = {s: statistics.mean(v) for s, v in times.items()}
@@ -232,6 +233,7 @@ def main() -> None:
     if args.trl_child:
         return trl_child(args.trl_child, int(args.seeds), args.minutes, args.workdir)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
+    os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
     model = args.model_path or build_warm_start(workdir, [])
     runners = {"trl": run_trl, "arealite": run_arealite}
