@@ -26,7 +26,7 @@ from arealite.utils.hardware import cpu_summary
 
 
 def run(model: str, dynamic: bool, steps: int, seed: int, workdir: str) -> dict:
-    name = "on" if dynamic else "off"
+    name = "filter_on" if dynamic else "filter_off"  # not on/off: YAML reads those as booleans
     overrides = [
         f"cluster.fileroot={workdir}", "experiment_name=dynamic-sampling", f"trial_name={name}",
         f"actor.path={model}", f"seed={seed}", f"total_train_steps={steps}",
