@@ -24,7 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
 from arealite.api.cli_args import GRPOConfig, load_expr_config
-from arealite.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from arealite.api.io_struct import FinetuneSpec
 from arealite.dataset import default_reward, is_vision_dataset, load_rows
 from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.ppo.actor import FSDPPPOActor
@@ -37,6 +37,7 @@ from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
+from arealite.trainer.weight_sync import WeightSync
 from arealite.utils import stats_tracker
 from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import load_vlm_processor
@@ -152,7 +153,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         group_filter = InformativeGroupFilter(config.train_dataset.batch_size // world,
                                               config.actor.dynamic_sampling_max_oversample)  # fmt: skip
     evaluation = make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor)
-    weight_dir = os.path.join(config.run_dir, "weight_sync")
+    # Weight sync (config.weight_update: disk | distributed), both sides in the right order.
+    weights = WeightSync(config.weight_update, actor, executor,
+                         os.path.join(config.run_dir, "weight_sync"))  # fmt: skip
+    evaluators = [evaluation[1].engine] if evaluation is not None else []
     trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
 
     # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
@@ -167,14 +171,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
     start = recover.load()
     if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
-        actor.upload_weights(WeightUpdateMeta.from_disk(weight_dir, start))
-        if rank == 0:
-            rollout.update_weights(WeightUpdateMeta.from_disk(weight_dir, start)).result()
-        if world > 1:
-            dist.barrier()  # every rank's clients then expect the restored version
-        executor.set_version(start)
-        if evaluation is not None:
-            evaluation[1].engine.expect_weight_version(start)
+        weights.push(start, evaluators)
     logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
                          total_steps=total_steps, exp_config=config)  # fmt: skip
     accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
@@ -215,20 +212,10 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
                 stats.update({f"ppo_critic/{k}": v for k, v in critic.ppo_update(batch).items()})
                 critic.step_lr_scheduler()
 
-        # 4. Weight sync: pause new episodes, publish, reload on the servers, resume.
+        # 4. Weight sync: new episodes wait, the servers load the new weights; evaluation
+        #    clients then refuse a server with older ones.
         with stats_tracker.record_timing("update_weights"):
-            executor.pause()
-            meta = WeightUpdateMeta.from_disk(weight_dir, global_step + 1)
-            actor.upload_weights(meta)
-            if rank == 0:
-                rollout.update_weights(meta).result()
-            if world > 1:
-                dist.barrier()
-            actor.set_version(global_step + 1)
-            executor.set_version(global_step + 1)
-            if evaluation is not None:  # its client then refuses a server with older weights
-                evaluation[1].engine.expect_weight_version(global_step + 1)
-            executor.resume()
+            weights.push(global_step + 1, evaluators)
 
         # 5. Services.
         saver.save(actor, epoch, step, global_step, tokenizer=tokenizer)

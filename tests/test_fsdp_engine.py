@@ -213,7 +213,8 @@ def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
         "--master-port", str(find_free_port()), script,
         "--model", tiny_model_dir, "--out", str(out), "--hf-dir", str(hf_dir),
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # CPU ranks even on a GPU machine: two ranks may not share one GPU (tests/gpu has GPU runs)
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = torch.load(out, weights_only=False)
@@ -282,9 +283,16 @@ def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_p
     from arealite.server.process import launch_server
 
     engine = make_engine(weight_update_bucket_mb=1)
+    # The group's backend follows the trainer's device; on GPU the server needs its own GPU
+    # (NCCL refuses two members on one device).
+    backend, server_env = "gloo", {"CUDA_VISIBLE_DEVICES": ""}
+    if engine.device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("NCCL trainer -> server needs 2 GPUs here; tests/gpu covers one GPU")
+        backend, server_env = "nccl", {"CUDA_VISIBLE_DEVICES": str(torch.cuda.device_count() - 1)}
     prompt = make_batch(n=1, seed=9)["input_ids"][0, :6].tolist()
     extra = ["--allowed-weight-roots", str(tmp_path)]
-    with launch_server(tiny_model_dir, dtype="float32", extra_args=extra) as server:
+    with launch_server(tiny_model_dir, dtype="float32", extra_args=extra, env=server_env) as server:
         post = lambda path, body: requests.post(server.url + path, json=body, timeout=300).json()  # noqa: E731
 
         def agreement() -> float:
@@ -303,11 +311,12 @@ def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_p
         meta.nccl_param_specs = engine.nccl_param_specs(meta.bucket_size_mb)
         assert len(meta.nccl_param_specs) > 1
         meta.nccl_world_size = 2  # trainer rank 0 + the server's one rank
+        meta.nccl_backend = backend
 
         def rollout_side():
             init = {"master_address": "127.0.0.1", "master_port": meta.nccl_master_port,
                     "rank_offset": 1, "world_size": 2, "group_name": meta.nccl_group_name,
-                    "backend": "gloo"}  # fmt: skip
+                    "backend": backend}  # fmt: skip
             assert post("/init_weights_update_group", init)["success"]
             for i, bucket in enumerate(meta.nccl_param_specs):
                 names, shapes, dtypes = zip(*bucket)

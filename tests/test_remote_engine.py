@@ -296,7 +296,7 @@ def test_nccl_update_errors_are_clear_and_release_the_pause(engine):
 
 
 def post(server, path: str) -> None:
-    req = urllib.request.Request(f"{server.url}{path}", data=b"", headers=server.headers)
+    req = urllib.request.Request(f"{server.url}{path}", data=b"{}", headers=server.headers)
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30):
         pass
 

@@ -198,7 +198,7 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(server):
                 assert time.monotonic() < deadline, "requests never started"
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)
-            async with s.post(f"{server.url}/pause_generation") as r:
+            async with s.post(f"{server.url}/pause_generation", json={}) as r:
                 assert r.status == 200
             aborted = await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
@@ -206,7 +206,7 @@ def test_pause_aborts_in_flight_and_holds_new_requests_until_continue(server):
             late = asyncio.create_task(gen([5, 6, 7], short))
             await asyncio.sleep(0.5)
             assert not late.done(), "a request completed while generation was paused"
-            async with s.post(f"{server.url}/continue_generation") as r:
+            async with s.post(f"{server.url}/continue_generation", json={}) as r:
                 assert r.status == 200
             return aborted, await asyncio.wait_for(late, 30)
 
@@ -532,7 +532,7 @@ def test_a_request_aborted_before_it_starts_reports_the_served_weight_version(
 
     async def scenario():
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            async with s.post(f"{server.url}/pause_generation") as r:
+            async with s.post(f"{server.url}/pause_generation", json={}) as r:
                 assert r.status == 200
             req = {
                 "rid": "queued",
@@ -545,7 +545,7 @@ def test_a_request_aborted_before_it_starts_reports_the_served_weight_version(
                 assert r.status == 200
             async with await asyncio.wait_for(queued, 30) as r:
                 answer = await r.json()
-            async with s.post(f"{server.url}/continue_generation") as r:
+            async with s.post(f"{server.url}/continue_generation", json={}) as r:
                 assert r.status == 200
             return answer
 

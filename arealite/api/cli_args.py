@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -199,6 +199,15 @@ class GRPOConfig(BaseExperimentConfig):
     )
     critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
     server: ServerConfig = field(default_factory=ServerConfig)
+    weight_update: Literal["disk", "distributed"] = field(
+        default="disk",
+        metadata=_help(
+            "How new weights reach the servers after each step: disk (an HF checkpoint in "
+            "<run_dir>/weight_sync that the servers reload; any backend, LoRA too) | "
+            "distributed (trainer rank 0 broadcasts to every server rank: NCCL on GPU, gloo on "
+            "CPU; SGLang or the embedded server, full weights only)."
+        ),
+    )
     reward: Any = field(
         default=None,
         metadata=_help(

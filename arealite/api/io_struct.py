@@ -142,6 +142,8 @@ class WeightUpdateMeta:
     bucket_size_mb: int = 256
     nccl_param_specs: list[list[ParamSpec]] = field(default_factory=list)
     nccl_world_size: int | None = None
+    # The group's backend: nccl between GPUs; gloo is its CPU stand-in (embedded server only).
+    nccl_backend: Literal["nccl", "gloo"] = "nccl"
 
     @classmethod
     def from_disk(cls, path: str, version: int = 0) -> WeightUpdateMeta:

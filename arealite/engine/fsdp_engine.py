@@ -308,8 +308,15 @@ class FSDPEngine(BaseHFEngine):
                 "server's tensor-parallel ranks): fill it with the rollout engine's "
                 "nccl_world_size()"
             )
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if meta.nccl_backend != backend:
+            raise ValueError(
+                f"meta.nccl_backend={meta.nccl_backend!r} but this trainer's weights are on "
+                f"{self.device.type}, which needs {backend!r}: the servers would join another "
+                "kind of group"
+            )
         group = du.init_custom_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
+            backend,
             f"tcp://{meta.nccl_master_address}:{meta.nccl_master_port}",
             meta.nccl_world_size,
             0,

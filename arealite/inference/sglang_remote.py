@@ -65,11 +65,13 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
             )
         return GenerateChunk(tokens, logprobs, kind, parse_version(meta.get("weight_version")))
 
+    # SGLang (after v0.5.5) declares request models for both: a POST without a JSON body is a
+    # 400. mode "abort": in-flight requests come back aborted (and are resubmitted after).
     async def pause_server(self, addr: str) -> None:
-        await self.pool.call(addr, "POST", "/pause_generation")
+        await self.pool.call(addr, "POST", "/pause_generation", {"mode": "abort"})
 
     async def continue_server(self, addr: str) -> None:
-        await self.pool.call(addr, "POST", "/continue_generation")
+        await self.pool.call(addr, "POST", "/continue_generation", {})
 
     async def update_server_from_disk(self, addr: str, meta: WeightUpdateMeta) -> None:
         payload = {"model_path": meta.path, "weight_version": str(meta.version)}
@@ -82,11 +84,23 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
     # ---- NCCL path (GPU; SGLang's update_weights_from_distributed API) --------------------
 
     async def server_tp_size(self, addr: str) -> int:
+        """The server's tensor-parallel size: its number of ranks in the weight-update group.
+        Never guessed: a wrong group size hangs every member of the group."""
         try:
             info = await self.pool.call(addr, "GET", "/get_server_info")
-        except ServerError:  # servers without the endpoint run one rank
-            return 1
-        return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
+        except ServerError as e:
+            raise RuntimeError(
+                f"server {addr}: GET /get_server_info failed ({e}); the distributed weight "
+                "update needs each server's tp_size to size its group (use weight_update: disk "
+                "for servers without the endpoint)"
+            ) from e
+        tp = info.get("tp_size") if isinstance(info, dict) else None
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise RuntimeError(
+                f"server {addr}: /get_server_info has no valid tp_size ({str(info)[:200]}); "
+                "cannot size the weight-update group"
+            )
+        return tp
 
     async def init_weights_group(
         self, addr: str, meta: WeightUpdateMeta, rank_offset: int, world_size: int
@@ -97,7 +111,7 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
             "rank_offset": rank_offset,
             "world_size": world_size,
             "group_name": meta.nccl_group_name,
-            "backend": "nccl",
+            "backend": meta.nccl_backend,
         }
         body = await self.pool.call(addr, "POST", "/init_weights_update_group", payload)
         _check_success(addr, "/init_weights_update_group", body)

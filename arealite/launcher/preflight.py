@@ -219,6 +219,48 @@ def check_resources(config, n_gpus_available: int | None = None) -> None:
             )
 
 
+# Typical |weight| of a trained LLM's linear layers; bf16 keeps 8 significant bits, so an
+# update below half a unit in the last place (|w| * 2**-8) rounds back to the old weight.
+TYPICAL_WEIGHT = 0.02
+BF16_HALF_ULP = 2.0**-8
+
+
+def check_master_weight_precision(config) -> None:
+    """Refuse bf16 master weights with an lr they cannot represent: an AdamW step moves each
+    weight by about lr, which rounds away below |w| * 2**-8, so the run would train nothing."""
+    floor = TYPICAL_WEIGHT * BF16_HALF_ULP
+    for key in ("actor", "critic", "model"):
+        cfg = getattr(config, key, None)
+        opt = getattr(cfg, "optimizer", None)
+        if cfg is None or opt is None or str(getattr(cfg, "dtype", "")) != "bfloat16":
+            continue
+        if opt.lr < floor:
+            raise ConfigError(
+                f"{key}.dtype=bfloat16 with {key}.optimizer.lr={opt.lr:g}: bf16 master weights "
+                f"cannot take a step below ~{floor:.1e} on typical weights (|w| ~ "
+                f"{TYPICAL_WEIGHT}), so most updates round away and the model does not learn; "
+                f"use {key}.dtype=float32 (fp32 master weights) with "
+                f"{key}.fsdp.param_dtype=bfloat16 (bf16 compute)"
+            )
+
+
+def check_weight_update(config) -> None:
+    """weight_update=distributed speaks SGLang's group protocol (SGLang, embedded server)."""
+    if getattr(config, "weight_update", "disk") != "distributed":
+        return
+    if config.allocation.gen_backend == "vllm":
+        raise ConfigError(
+            "weight_update=distributed needs SGLang's /init_weights_update_group (sglang or "
+            "the embedded 'local' backend); with vllm use weight_update=disk"
+        )
+    lora = getattr(getattr(config, "actor", None), "lora", None)
+    if lora is not None:
+        raise ConfigError(
+            "weight_update=distributed sends full weights; a LoRA actor syncs merged weights "
+            "through disk: use weight_update=disk"
+        )
+
+
 def load_and_check(argv: list[str]):
     """Parse launcher argv and validate everything that can be validated without starting."""
     script, script_args, cls_path = split_launcher_args(argv)
@@ -227,6 +269,8 @@ def load_and_check(argv: list[str]):
     script_args = resolve_models(config, script_args)
     check_task(config)
     check_lora_models(config)  # target_modules against the model's modules (meta device)
+    check_master_weight_precision(config)
+    check_weight_update(config)
     return script, script_args, config
 
 

@@ -22,9 +22,9 @@ from arealite.server.protocol import (
     decode_json_body,
     parse_generate_request,
     parse_weight_version,
-    require_object,
 )
 from arealite.server.scheduler import Scheduler
+from arealite.server.sglang_schema import parse_body
 from arealite.server.weight_guard import (
     VersionGate,
     WeightRefused,
@@ -168,8 +168,9 @@ class InferenceServer:
         return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        mode = require_object(decode_json_body(raw)).get("mode") if raw.strip() else None
+        mode = parse_body("pause_generation", await request.read()).get("mode")
+        if mode not in (None, "abort", "retract", "in_place"):
+            raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {mode!r}")
         if mode not in (None, "abort"):
             raise BadRequest(
                 f"mode: only 'abort' is supported by the embedded server, got {mode!r}"
@@ -178,11 +179,12 @@ class InferenceServer:
         return web.json_response({"success": True, "message": "generation paused"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        parse_body("continue_generation", await request.read())
         self.scheduler.resume()
         return web.json_response({"success": True, "message": "generation continued"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = require_object(decode_json_body(await request.read()))
+        body = parse_body("abort_request", await request.read())
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if not abort_all and not (isinstance(rid, str) and rid):
             raise BadRequest("rid: required (a request id string) unless abort_all is true")
@@ -191,7 +193,7 @@ class InferenceServer:
 
     # ---- weights ----------------------------------------------------------------------------
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = require_object(decode_json_body(await request.read()))
+        body = parse_body("update_weights_from_disk", await request.read())
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequest("model_path: required (a directory with the new weights)")
@@ -231,7 +233,7 @@ class InferenceServer:
         return web.json_response(body, status=e.status)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        spec = parse_group_spec(decode_json_body(await request.read()))
+        spec = parse_group_spec(parse_body("init_weights_update_group", await request.read()))
         try:
             self.weight_groups.check_backend(spec)
         except Unsupported as e:
@@ -246,7 +248,7 @@ class InferenceServer:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Receive one bucket by broadcast; the version moves when the request carries one
         (the trainer sends it with the last bucket). Pause generation around a multi-bucket push."""
-        body = require_object(decode_json_body(await request.read()))
+        body = parse_body("update_weights_from_distributed", await request.read())
         specs = parse_tensor_specs(body)
         group = self.weight_groups.get(body.get("group_name") or "weight_update_group")
         version = body.get("weight_version")
@@ -271,7 +273,7 @@ class InferenceServer:
         )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = require_object(decode_json_body(await request.read()))
+        body = parse_body("destroy_weights_update_group", await request.read())
         self.weight_groups.destroy(body.get("group_name") or "weight_update_group")
         return web.json_response({"success": True, "message": "group destroyed"})
 

@@ -62,11 +62,8 @@ def parse_group_spec(body) -> GroupSpec:
 
 
 def parse_tensor_specs(body: dict) -> list[tuple[str, torch.dtype, list[int]]]:
-    """names/dtypes/shapes lists (or SGLang's older singular name/dtype/shape)."""
-    if "names" in body:
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-    else:
-        names, dtypes, shapes = [body.get("name")], [body.get("dtype")], [body.get("shape")]
+    """names/dtypes/shapes lists, one entry per tensor (types checked by sglang_schema)."""
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise BadRequest("names: required, a non-empty list of parameter names")
     if not isinstance(dtypes, list) or not isinstance(shapes, list):

@@ -10,6 +10,7 @@ metadata) and CUDA tensors (FSDP collectives) both have a backend.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -31,10 +32,20 @@ def local_rank() -> int:
 
 
 def current_device() -> torch.device:
-    """This rank's accelerator (LOCAL_RANK-th GPU) or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
+    """This rank's accelerator (the LOCAL_RANK-th visible GPU) or the CPU. Two ranks never
+    share a GPU: NCCL refuses it, and FSDP would run out of memory or deadlock."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_rank() >= n or ranks > n:
+        raise RuntimeError(
+            f"{ranks} trainer rank(s) on this node but only {n} visible GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): each rank "
+            "needs its own GPU; lower the trainer's data parallelism or free GPUs (the "
+            "launchers hand each rank one, after the inference servers' GPUs)"
+        )
+    return torch.device("cuda", local_rank())
 
 
 def init_distributed(addr: str | None = None, timeout_s: float = 1800.0) -> None:
@@ -133,6 +144,24 @@ def raise_if_any_rank_failed(error: BaseException | None) -> None:
         raise RuntimeError(f"rank(s) {failed} failed (see their error); stopping here too")
 
 
+@contextlib.contextmanager
+def _own_tcp_store():
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE=True in its workers, which makes a `tcp://`
+    rendezvous connect to the agent's store as a client, even on rank 0. For a group of our
+    own (trainer rank 0 + inference servers) rank 0 must host the store on the group's port,
+    or every member waits for a store nobody serves."""
+    key = "TORCHELASTIC_USE_AGENT_STORE"
+    old = os.environ.get(key)
+    os.environ[key] = "False"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
 def init_custom_process_group(
     backend: str,
     init_method: str,
@@ -154,7 +183,8 @@ def init_custom_process_group(
     )
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    with _own_tcp_store():
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(

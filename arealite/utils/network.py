@@ -24,3 +24,16 @@ def find_free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def local_ip_towards(host: str) -> str:
+    """This machine's address as `host` would see it (the interface routing to it): what a
+    process on `host` must connect to. No packet is sent (UDP connect only picks a route)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
