@@ -3,6 +3,8 @@ backbone with a 1-output value head), identical on every rank before sharding.""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
 
@@ -10,6 +12,21 @@ from arealite.api.cli_args import TrainEngineConfig
 from arealite.engine.vlm_inputs import vlm_attn_implementation
 from arealite.utils.fsdp import torch_dtype
 from arealite.utils.vision import is_vlm_config
+
+
+def check_attn_impl(attn_impl: str) -> None:
+    """flash_attention_2 needs a GPU and the flash-attn package (not a dependency): say so
+    before loading, instead of transformers' error deep in model construction."""
+    if attn_impl != "flash_attention_2":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError("attn_impl=flash_attention_2 needs a GPU; use sdpa_varlen on CPU")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "attn_impl=flash_attention_2 needs the flash-attn package, which is not installed "
+            "(pip install flash-attn --no-build-isolation); or use attn_impl=sdpa_varlen "
+            "(exact packed attention without it)"
+        )
 
 
 def load_hf_model(config: TrainEngineConfig) -> nn.Module:
@@ -24,8 +41,7 @@ def load_hf_model(config: TrainEngineConfig) -> nn.Module:
         AutoModelForTokenClassification,
     )
 
-    if config.attn_impl == "flash_attention_2" and not torch.cuda.is_available():
-        raise ValueError("attn_impl=flash_attention_2 needs a GPU; use sdpa or eager on CPU")
+    check_attn_impl(config.attn_impl)
     if not config.path:
         raise ValueError("TrainEngineConfig.path is empty: set it to an HF model directory")
     hf_config = AutoConfig.from_pretrained(config.path)

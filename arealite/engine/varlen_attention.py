@@ -83,6 +83,17 @@ def _gather_plan(lengths: tuple[int, ...], device: torch.device):
     return groups, inverse.to(device)
 
 
+def packed_lengths(cu_seq_lens: torch.Tensor) -> tuple[int, ...]:
+    """The packed sequences' lengths, read from the device once per micro-batch: every layer
+    receives the same `cu_seq_lens_q` tensor, so the first layer caches them on it (a
+    `.tolist()` per layer would synchronise the GPU once per layer)."""
+    lengths = getattr(cu_seq_lens, "_arealite_lengths", None)
+    if lengths is None:
+        lengths = tuple(cu_seq_lens.diff().tolist())
+        cu_seq_lens._arealite_lengths = lengths
+    return lengths
+
+
 def sdpa_varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -99,7 +110,7 @@ def sdpa_varlen_attention(
         raise ValueError(f"attn_impl={NAME} needs cu_seq_lens_q (packed inputs)")
     if query.shape[0] != 1:
         raise ValueError(f"attn_impl={NAME} expects one packed row, got batch {query.shape[0]}")
-    lengths = tuple(cu_seq_lens_q.diff().tolist())
+    lengths = packed_lengths(cu_seq_lens_q)
     groups, inverse = _gather_plan(lengths, query.device)
     # [T, H, D] token-major views: a group's rows are one index_select away.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
