@@ -137,3 +137,20 @@ def test_the_launcher_prints_the_plan_and_pins_each_side(tmp_path, tiny_model_di
     assert "server0: GPU 0" in p.stderr and "trainer rank 0: GPU 1" in p.stderr
     got = json.loads((tmp_path / "p" / "t" / "env0.json").read_text())
     assert got["CUDA_VISIBLE_DEVICES"] == "1" and got["NCCL_CUMEM_ENABLE"] == "0"
+
+
+def test_two_ranks_on_one_gpu_are_refused(monkeypatch):
+    """A rank's device is the LOCAL_RANK-th visible GPU, never shared (faked: 1 GPU, 2 ranks)."""
+    import torch
+
+    from arealite.utils import distributed as du
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match="2 trainer rank.*only 1 visible GPU.*its own GPU"):
+        du.current_device()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert du.current_device() == torch.device("cuda", 0)
