@@ -65,6 +65,7 @@ def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
         "recover.freq_steps=1", "recover.retries=2", "async_training=false",
         "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
         "actor.use_decoupled_loss=false", "rollout.setup_timeout=120",
+        "actor.dynamic_sampling=false",  # every item trained exactly once (none dropped)
     ])  # fmt: skip
 
 

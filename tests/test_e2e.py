@@ -63,6 +63,7 @@ def grpo_overrides(fileroot: str, trial: str, model: str, steps: int) -> list[st
         f"actor.group_size={SAMPLES}", "gconfig.max_new_tokens=4",
         "valid_dataset.options.size=16", "valid_dataset.batch_size=16", "evaluator.freq_steps=2",
         "actor.fsdp.param_dtype=float32", "server.dtype=float32", "stats_logger.print_every=1",
+        "actor.dynamic_sampling=false",  # an untrained model scores 0: every group would drop
     ]  # fmt: skip
 
 
