@@ -65,6 +65,7 @@ class _LoopBoundEngine:
 class _Task:
     data: Any
     engine: _LoopBoundEngine
+    workflow: ProxyWorkflow
     result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -76,13 +77,20 @@ class _Session:
     client: TrainingOpenAIClient
     deadline: float
     rewarded: bool = False
+    replies: dict[str, Any] = field(default_factory=dict)  # request hash -> answer (retries)
 
 
 class ProxyWorkflow(RolloutWorkflow):
-    """One episode = one agent session on this data item (see AgentProxy)."""
+    """One episode = `gconfig.n_samples` agent sessions on this data item (see AgentProxy).
+    Several workflows (training, greedy evaluation) share one proxy and its agents; each
+    session generates with its own workflow's settings. `reward_pool` scores sessions whose
+    agent gives no reward (arealite.agent.workers)."""
 
-    def __init__(self, proxy: AgentProxy):
-        self.proxy = proxy
+    def __init__(self, proxy: AgentProxy, gconfig: GenerationHyperparameters,
+                 turn_discount: float, reward_pool: Any = None):  # fmt: skip
+        self.proxy, self.reward_pool = proxy, reward_pool
+        self.gconfig, self.group_size = gconfig.new(n_samples=1), gconfig.n_samples
+        self.turn_discount = turn_discount
 
     @property
     def reward_stats(self) -> dict[str, int]:
@@ -99,7 +107,7 @@ class ProxyWorkflow(RolloutWorkflow):
         """`gconfig.n_samples` sessions on this item (a GRPO group: adjacent rows of one
         prompt); the group is rejected (None) if any session is dropped."""
         bound = _LoopBoundEngine(engine, asyncio.get_running_loop())
-        tasks = [_Task(data, bound) for _ in range(self.proxy.group_size)]
+        tasks = [_Task(data, bound, self) for _ in range(self.group_size)]
         for task in tasks:
             self.proxy.offer(task)
         try:
@@ -128,15 +136,15 @@ class AgentProxy:
         turn_discount: float = 1.0,
         tool_parser: str = "auto",
     ):
-        self.tokenizer, self.gconfig = tokenizer, gconfig.new(n_samples=1)
-        self.group_size = gconfig.n_samples  # sessions per episode (one GRPO group)
+        self.tokenizer = tokenizer
         self.host, self.port, self.api_key = host, port, api_key
         self.session_timeout = session_timeout
         self.export_style: ExportStyle = export_style
         self.turn_discount = turn_discount
         self.tool_parser = tool_parser
         self.stats: Counter[str] = Counter()
-        self.workflow = ProxyWorkflow(self)
+        self.workflow = self.workflow_for(gconfig)
+        self._aliases: dict[str, tuple[str, str | None]] = {}  # worker id -> (key, session id)
         self._tasks: deque[_Task] = deque()
         self._sessions: dict[str, _Session] = {}
         self._closed: set[str] = set()  # ended or expired session ids (answered with 409)
@@ -146,6 +154,20 @@ class AgentProxy:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
+
+    def workflow_for(self, gconfig: GenerationHyperparameters, turn_discount: float | None = None,
+                     reward_pool: Any = None) -> ProxyWorkflow:  # fmt: skip
+        """Episodes of `gconfig.n_samples` sessions generating with `gconfig` (e.g. greedy
+        evaluation beside training), served by this proxy's agents."""
+        discount = self.turn_discount if turn_discount is None else turn_discount
+        return ProxyWorkflow(self, gconfig, discount, reward_pool)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The proxy's event loop (its own thread), once started."""
+        if self._loop is None:
+            raise RuntimeError("AgentProxy is not started")
+        return self._loop
 
     @property
     def url(self) -> str:
@@ -242,7 +264,8 @@ class AgentProxy:
                 return None
 
     def _open(self, task: _Task) -> _Session:
-        client = TrainingOpenAIClient(task.engine, self.tokenizer, self.gconfig, self.tool_parser)
+        client = TrainingOpenAIClient(task.engine, self.tokenizer, task.workflow.gconfig,
+                                      self.tool_parser)  # fmt: skip
         sid = secrets.token_hex(8)
         session = _Session(sid, secrets.token_urlsafe(24), task, client,
                            time.monotonic() + self.session_timeout)  # fmt: skip
@@ -250,8 +273,21 @@ class AgentProxy:
         self.stats["started"] += 1
         return session
 
+    def bind(self, alias: str, key: str, sid: str | None) -> None:
+        """`/sessions/{alias}/v1` (Bearer `key`) now means session `sid`: a worker's fixed
+        OPENAI_BASE_URL follows whichever session it is serving."""
+        with self._lock:
+            self._aliases[alias] = (key, sid)
+
     def session(self, sid: str, authorization: str) -> _Session:
         with self._lock:
+            if sid in self._aliases:
+                key, sid = self._aliases[sid]
+                if not hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode()):
+                    raise web.HTTPUnauthorized(reason="wrong or missing worker key")
+                if sid is None:
+                    raise web.HTTPNotFound(reason="this agent worker has no session now")
+                authorization = f"Bearer {self._sessions[sid].key}" if sid in self._sessions else ""
             s = self._sessions.get(sid)
             closed = sid in self._closed
         if closed:
@@ -262,18 +298,40 @@ class AgentProxy:
             raise web.HTTPUnauthorized(reason="wrong or missing session key (Bearer <api_key>)")
         return s
 
-    def end(self, s: _Session) -> tuple[int, str]:
-        """Close `s`: its rows go to its episode (or it is dropped without a reward)."""
+    def _close(self, s: _Session) -> bool:
         with self._lock:
             if self._sessions.pop(s.id, None) is None:
-                return 0, "already ended"
+                return False
             self._closed.add(s.id)
+            return True
+
+    def is_open(self, sid: str) -> bool:
+        with self._lock:
+            return sid in self._sessions
+
+    def drop(self, s: _Session, why: str | None) -> bool:
+        """End `s` without training rows (its episode's group is rejected), counted as `why`
+        (unless None); False if it had ended already."""
+        if not self._close(s):
+            return False
+        if why is not None:
+            self.stats[why] += 1
+        s.task.engine.cancel_all()
+        s.task.result.set_result(None)
+        return True
+
+    def end(self, s: _Session) -> tuple[int, str]:
+        """Close `s`: its rows go to its episode (or it is dropped without a reward)."""
         if not s.rewarded or len(s.client.tree) == 0:
             why = "no_reward" if not s.rewarded else "no_completions"
-            self.stats[why] += 1
-            s.task.result.set_result(None)
-            return 0, f"dropped: {why.replace('_', ' ')}"
-        rows = s.client.export_samples(self.export_style, self.turn_discount)
+            return (
+                (0, f"dropped: {why.replace('_', ' ')}")
+                if self.drop(s, why)
+                else (0, "already ended")
+            )
+        if not self._close(s):
+            return 0, "already ended"
+        rows = s.client.export_samples(self.export_style, s.task.workflow.turn_discount)
         self.stats["finished"] += 1
         s.task.result.set_result(rows)
         return int(rows.batch_size[0]), "finished"

@@ -10,6 +10,7 @@ POST /sessions/{id}/v1/end                {"reward"?: final reward} -> {status, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -28,6 +29,7 @@ class SessionHost(Protocol):
     imports its owner."""
 
     api_key: str | None
+    stats: Any  # a Counter of session events
 
     @property
     def url(self) -> str: ...
@@ -111,15 +113,32 @@ class ProxyRoutes:
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """A retried request (the SDK's `x-stainless-retry-count` > 0, or an `Idempotency-Key`
+        seen before) with the same body gets the recorded answer: the first attempt's answer
+        may have been lost with the connection, and a second generation would be a second
+        branch (an extra training row) of the session."""
         s = self.session(request)
+        raw = await request.read()
         body = await _json(request)
-        result = await s.client.create_chat_completion(**body)
-        if not body.get("stream"):
-            return web.json_response(result.model_dump(exclude_unset=True))
+        idem = request.headers.get("Idempotency-Key")
+        key = "idem:" + idem if idem else hashlib.sha256(raw).hexdigest()
+        retried = idem or request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
+        recorded = s.replies.get(key) if retried else None
+        if recorded is None:
+            result = await s.client.create_chat_completion(**body)
+            if body.get("stream"):
+                recorded = [c.model_dump(exclude_unset=True) async for c in result]
+            else:
+                recorded = result.model_dump(exclude_unset=True)
+            s.replies[key] = recorded
+        else:
+            self.proxy.stats["retries_replayed"] += 1
+        if not isinstance(recorded, list):
+            return web.json_response(recorded)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        async for chunk in result:
-            await resp.write(sse_event(chunk.model_dump(exclude_unset=True)))
+        for chunk in recorded:
+            await resp.write(sse_event(chunk))
         await resp.write(sse_event("[DONE]"))
         await resp.write_eof()
         return resp

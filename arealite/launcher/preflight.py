@@ -170,6 +170,8 @@ def check_task(config) -> None:
     if kind != "rl" or not hasattr(config, "reward"):
         return
     reward = config.reward or dataset.default_reward(config.train_dataset.path)
+    if reward is None and getattr(getattr(config, "agent", None), "command", None):
+        return  # agent.command: the agent answers its own rewards
     if reward is None:
         raise ConfigError(
             f"reward is not set and train_dataset.path={config.train_dataset.path!r} is not a "
