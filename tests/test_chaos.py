@@ -6,7 +6,7 @@ of an uninterrupted run.
 
 Real processes throughout: the local launcher, torchrun, the embedded server, the tiny offline
 model warm-started by a short SFT (so that GRPO has a learning signal), the arith entry point.
-`CHAOS_TRIALS=N` runs N trials (default 6: every process type, then random ones);
+`CHAOS_TRIALS=N` runs N trials (default 4: each process type once; more add random ones);
 `CHAOS_SEED` picks the moments.
 """
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("launcher", "agent", "worker", "server")
-N_TRIALS = int(os.environ.get("CHAOS_TRIALS", "6"))
+N_TRIALS = int(os.environ.get("CHAOS_TRIALS", "4"))
 SEED = int(os.environ.get("CHAOS_SEED", "16"))
 STEPS, SFT_STEPS = 4, 16
 ORPHAN_DEADLINE_S = 10.0

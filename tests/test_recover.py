@@ -124,9 +124,12 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
         assert ra.keys() == rb.keys(), (ra["step"], ra.keys() ^ rb.keys())
         for k in ra:
             x, y = ra[k], rb[k]
+            # behave_*: trainer vs server logprob gaps, themselves batch-composition noise
+            # (seen: 4.8e-7 vs 1.7e-6 for the same step), so compared at the noise's scale
+            abs_tol = 1e-5 if k.startswith("behave_") else 1e-6
             same = x == y or (
                 isinstance(x, float) and isinstance(y, float)
-                and math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6)
+                and math.isclose(x, y, rel_tol=1e-5, abs_tol=abs_tol)
             )  # fmt: skip
             assert same, f"step {ra['step']} {k}: {x} != {y}"
 
@@ -209,7 +212,7 @@ def test_sft_killed_twice_resumes_to_the_same_weights_and_metrics(
 
 # ----------------------------------------------------------------------------- GRPO
 
-GRPO_STEPS = 6
+GRPO_STEPS = 10
 
 
 def grpo_cmd(fileroot, model_dir, trial, extra=()):
@@ -239,15 +242,26 @@ SYNC = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory, sft_reference):
+    """An uninterrupted synchronous GRPO run: what a killed trainer's or server's run must end
+    as (shared by both tests: one reference run fewer)."""
+    root = tmp_path_factory.mktemp("recover_sync")
+    ref_dir, ref_log = root / "recover" / "ref", root / "ref.log"
+    finish(start(grpo_cmd(root, sft_model(sft_reference), "ref", SYNC), ref_log), ref_log)
+    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+    return ref_dir
+
+
 @pytest.mark.integration
-def test_sync_grpo_killed_and_rerun_matches_the_uninterrupted_run(tmp_path, sft_reference):
+def test_sync_grpo_killed_and_rerun_matches_the_uninterrupted_run(
+    tmp_path, sft_reference, sync_reference
+):
     """Seeded sampling (per item, sample and version) makes the rollouts of a rerun step the
     same tokens, so a killed-and-rerun synchronous GRPO run ends with the same weights and the
     same per-step metrics (server logprobs up to batch-composition float noise)."""
     model = sft_model(sft_reference)
-    ref_dir, ref_log = tmp_path / "recover" / "ref", tmp_path / "ref.log"
-    finish(start(grpo_cmd(tmp_path, model, "ref", SYNC), ref_log), ref_log)
-    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+    ref_dir = sync_reference
 
     run_dir, log = tmp_path / "recover" / "killed", tmp_path / "killed.log"
     cmd = grpo_cmd(tmp_path, model, "killed", SYNC)
@@ -339,18 +353,18 @@ def wait_running_requests(url: str, key: str, timeout: float = 60) -> None:
 
 
 @pytest.mark.integration
-def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, sft_reference):
+def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(
+    tmp_path, sft_reference, sync_reference
+):
     """2 servers; one is SIGKILLed mid-run. Its requests fail over to the other (resubmitted
     as prompt + tokens so far), the launcher restarts it, training finishes, and with seeded
     sampling the result equals a run without the fault: no sample was lost or duplicated."""
     model = sft_model(sft_reference)
-    steps = ["total_train_steps=10"]
-    ref_dir, ref_log = tmp_path / "recover" / "ref", tmp_path / "ref.log"
-    finish(start(grpo_cmd(tmp_path, model, "ref", [*SYNC, *steps]), ref_log), ref_log)
+    ref_dir = sync_reference
 
     run_dir, log = tmp_path / "recover" / "faulty", tmp_path / "faulty.log"
     two = ["allocation_mode=local.d2p1t1+d1p1t1"]
-    cmd = grpo_cmd(tmp_path, model, "faulty", [*SYNC, *steps, *two])
+    cmd = grpo_cmd(tmp_path, model, "faulty", [*SYNC, *two])
     key = "recover-test-key"  # the launcher uses it for its servers: we may query them
     proc = start(cmd, log, env={"AREAL_SERVER_API_KEY": key})
     wait_for_step(proc, run_dir, 2, log)
@@ -369,7 +383,7 @@ def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, sft_
     assert "server0 died" in text and "restarting it" in text
     assert "taking inference server" in text  # the client noticed and failed over
     assert "resumed from" not in text  # the trainer never died
-    assert_same_run(ref_dir, run_dir, 10)
+    assert_same_run(ref_dir, run_dir, GRPO_STEPS)
     assert trained_items(run_dir) == trained_items(ref_dir)
 
 
