@@ -1,6 +1,6 @@
 """End-to-end GRPO on the arithmetic task: asynchronous (eta = 4) vs synchronous (eta = 0).
 
-Both runs go through the local launcher (`examples/arith_grpo.py` + `examples/configs/
+Both runs go through the local launcher (`examples/grpo.py` + `examples/configs/
 arith_grpo.yaml`) from the same warm-start model with the same seeds, one after the other in
 this process, and differ only in `async_training` / `rollout.max_head_offpolicyness`.
 
@@ -18,7 +18,7 @@ Figures (one JSON line each, then the ratios), read from each run's metrics.json
   ratios are of the medians over rounds.
 
 Without --model-path a warm start is built first: the tiny offline model
-(arealite.testing.tiny_model) fine-tuned by examples/arith_sft.py with its YAML defaults.
+(arealite.testing.tiny_model) fine-tuned by examples/sft.py with its YAML defaults.
 
     python bench/e2e_async_vs_sync.py [--model-path DIR] [--steps 80] [--eval-every 10]
         [--target-accuracy 0.15] [--eta 4] [--rounds 1] [--workdir DIR] [--set key=value ...]
@@ -50,7 +50,7 @@ def build_warm_start(workdir: str, extra: list[str]) -> str:
     tiny = build_tiny_model(os.path.join(workdir, "tiny_model"))
     args = [f"cluster.fileroot={workdir}", "experiment_name=bench-sft", "trial_name=warm",
             f"model.path={tiny}", *extra]  # fmt: skip
-    secs = launch("arith_sft.py", "arith_sft.yaml", args, os.path.join(workdir, "sft.log"))
+    secs = launch("sft.py", "arith_sft.yaml", args, os.path.join(workdir, "sft.log"))
     run_dir = os.path.join(workdir, "bench-sft", "warm")
     (path,) = glob.glob(os.path.join(run_dir, "checkpoints", "final", "*"))
     records = read_metrics(run_dir)
@@ -101,7 +101,7 @@ def run_grpo(args, workdir: str, model: str, name: str, eta: int) -> dict:
         f"async_training={str(eta > 0).lower()}", f"rollout.max_head_offpolicyness={eta}",
         *args.set,
     ]  # fmt: skip
-    secs = launch("arith_grpo.py", "arith_grpo.yaml", overrides,
+    secs = launch("grpo.py", "arith_grpo.yaml", overrides,
                   os.path.join(workdir, f"{name}.log"))  # fmt: skip
     records = read_metrics(os.path.join(workdir, "bench-grpo", name))
     return summarize(name, records, args.target_accuracy, secs)

@@ -95,7 +95,7 @@ def run_arealite(workdir: str, model: str, steps: int, eta: int) -> dict:
         f"rollout.consumer_batch_size={N_PROMPTS}", f"gconfig.n_samples={N_SAMPLES}",
         f"gconfig.max_new_tokens={NEW_TOKENS}", "actor.optimizer.lr=1e-4",
     ]  # fmt: skip
-    launch("arith_grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))
+    launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))
     records = read_metrics(os.path.join(workdir, "bench", name))[1:]
     wall = [r["wall_time"] for r in records]
     phases = ("rollout", "train_step", "update_weights")

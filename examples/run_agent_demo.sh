@@ -21,7 +21,7 @@ case "$DEMO" in
   arith)
     if ! ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ >/dev/null 2>&1; then
       echo "== SFT warm start (examples/configs/arith_sft.yaml)"
-      $PY -m arealite.launcher.local examples/arith_sft.py --config examples/configs/arith_sft.yaml \
+      $PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \
         cluster.fileroot="$RUN" model.path="$RUN/tiny_model"
     fi
     MODEL=$(ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ | tail -n 1)

@@ -5,8 +5,7 @@ or your own file of `messages` (loss on the assistant turns) or `prompt` + `comp
         experiment_name=gsm8k-sft trial_name=run1 model.path=Qwen/Qwen2.5-0.5B
 
 Rows with images (pixel_values, image_grid_thw) carry them to the trainer (a vision task loads
-the model's processor). `gsm8k_sft.py`, `arith_sft.py`, `clevr_count_70k_sft.py` are this
-script under their old names.
+the model's processor).
 """
 
 from __future__ import annotations

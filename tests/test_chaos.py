@@ -46,7 +46,8 @@ def trial_plan() -> list[tuple[str, float]]:
 
 
 def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> list[str]:
-    name = script.removesuffix(".py")
+    """`script` is sft.py or grpo.py, run on the arithmetic YAML of the same kind."""
+    name = "arith_" + script.removesuffix(".py")
     return [
         sys.executable, "-m", "arealite.launcher.local", os.path.join(ROOT, "examples", script),
         "--config", os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
@@ -57,7 +58,7 @@ def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> lis
 
 def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
     """Synchronous GRPO (eta = 0, seeded sampling): a rerun regenerates the same tokens."""
-    return launcher_cmd(fileroot, trial, "arith_grpo.py", [
+    return launcher_cmd(fileroot, trial, "grpo.py", [
         f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.options.size=256",
         "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", "gconfig.n_samples=4",
         "rollout.max_concurrent_rollouts=8", "actor.group_size=4", "gconfig.seed=7",
@@ -79,7 +80,7 @@ def run_to_end(cmd, log_path, timeout: float = 300) -> None:
 def reference(tmp_path_factory, tiny_model_dir) -> tuple[str, str]:
     """(warm-started model, run dir of an uninterrupted GRPO run)."""
     root = tmp_path_factory.mktemp("chaos")
-    sft = launcher_cmd(root, "sft", "arith_sft.py", [
+    sft = launcher_cmd(root, "sft", "sft.py", [
         f"model.path={tiny_model_dir}", f"total_train_steps={SFT_STEPS}",
         "train_dataset.options.size=1024", "train_dataset.batch_size=32",
     ])  # fmt: skip
@@ -115,7 +116,7 @@ def pick_victim(kind: str, launcher_pid: int) -> psutil.Process:
             return p
         if kind == "server" and "arealite.server" in cmd:
             return p
-        if kind == "worker" and not is_agent and any(a.endswith("arith_grpo.py") for a in cmd):
+        if kind == "worker" and not is_agent and any(a.endswith("/grpo.py") for a in cmd):
             return p
     raise AssertionError(f"no {kind} process under launcher {launcher_pid}")
 

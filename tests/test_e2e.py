@@ -95,7 +95,7 @@ def async_run(tmp_path_factory, tiny_model_dir):
         "allocation_mode=local.d1p1t1+d2p1t1", "async_training=true",
         f"rollout.max_head_offpolicyness={ETA}", "saver.freq_steps=2",
     ]  # fmt: skip
-    out = launch("arith_grpo.py", "arith_grpo.yaml", args)
+    out = launch("grpo.py", "arith_grpo.yaml", args)
     return os.path.join(root, "e2e-grpo", "async"), out
 
 
@@ -107,7 +107,7 @@ def sft_run(tmp_path_factory, tiny_model_dir):
         f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1", "total_train_steps=4",
         "train_dataset.batch_size=16", "model.optimizer.warmup_steps_proportion=0",
     ]  # fmt: skip
-    launch("arith_sft.py", "arith_sft.yaml", args)
+    launch("sft.py", "arith_sft.yaml", args)
     return os.path.join(root, "e2e-sft", "t")
 
 
@@ -121,7 +121,7 @@ def sync_run(tmp_path_factory, sft_run):
         "allocation_mode=local.d1p1t1+d1p1t1", "async_training=false",
         "rollout.max_head_offpolicyness=0",
     ]  # fmt: skip
-    launch("arith_grpo.py", "arith_grpo.yaml", args)
+    launch("grpo.py", "arith_grpo.yaml", args)
     return os.path.join(root, "e2e-grpo", "sync")
 
 

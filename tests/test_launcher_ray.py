@@ -190,13 +190,9 @@ def test_allocation_larger_than_the_ray_cluster_fails_before_starting(
     assert not (tmp_path / "ray" / "t" / "logs" / "rank0.log").exists()
 
 
-@pytest.mark.skipif(
-    not os.path.exists(os.path.join(ROOT, "examples", "arith_grpo.py")),
-    reason="examples/arith_grpo.py is not written yet",
-)
 def test_arith_grpo_two_steps(tmp_path, tiny_model_dir, ray_address):
     args = [
-        os.path.join(ROOT, "examples", "arith_grpo.py"),
+        os.path.join(ROOT, "examples", "grpo.py"),
         "--config", os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
         "experiment_name=ray", "trial_name=grpo", f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny_model_dir}", f"launcher.ray_address={ray_address}", *GRPO_SMALL,

@@ -167,7 +167,7 @@ ARITH = ["train_dataset.options.n_operands=2"]  # 1-digit sums: a few SFT steps 
 
 def sft_cmd(fileroot, model_dir, trial):
     return launcher_cmd(
-        "arith_sft.py", "arith_sft.yaml", fileroot, trial,
+        "sft.py", "arith_sft.yaml", fileroot, trial,
         [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.options.size=1024",
          "train_dataset.batch_size=32", *ARITH, "recover.mode=auto", "recover.freq_steps=1",
          "recover.retries=2", "stats_logger.print_every=1"],
@@ -193,7 +193,7 @@ def test_sft_killed_twice_resumes_to_the_same_weights_and_metrics(
     cmd = sft_cmd(tmp_path, tiny_model_dir, "killed")
     proc = start(cmd, log)
     wait_for_step(proc, run_dir, 4, log)
-    for w in trainer_workers(proc.pid, "arith_sft.py"):
+    for w in trainer_workers(proc.pid, "/sft.py"):
         w.send_signal(signal.SIGKILL)
     wait_for_step(proc, run_dir, 12, log)  # the launcher's retry resumed and went on
     kill_tree(proc.pid)
@@ -217,7 +217,7 @@ GRPO_STEPS = 10
 
 def grpo_cmd(fileroot, model_dir, trial, extra=()):
     return launcher_cmd(
-        "arith_grpo.py", "arith_grpo.yaml", fileroot, trial,
+        "grpo.py", "arith_grpo.yaml", fileroot, trial,
         [f"actor.path={model_dir}", f"total_train_steps={GRPO_STEPS}", *ARITH,
          "train_dataset.options.size=256", "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
          "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "actor.group_size=4",

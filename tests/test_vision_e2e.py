@@ -174,7 +174,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_vlm_dir):
     root = str(tmp_path_factory.mktemp("vision_sft"))
-    launch("clevr_count_70k_sft.py", "clevr_count_70k_sft.yaml", [
+    launch("sft.py", "clevr_count_70k_sft.yaml", [
         f"cluster.fileroot={root}", "experiment_name=vsft", "trial_name=t",
         f"model.path={tiny_vlm_dir}", "total_train_steps=2", "train_dataset.options.size=16",
         "train_dataset.batch_size=4", "valid_dataset.options.size=4", "valid_dataset.batch_size=4",
@@ -200,7 +200,7 @@ def test_sft_through_the_launcher_trains_and_exports_a_vlm(sft_run, tiny_vlm_dir
 
 def test_grpo_through_the_launcher_from_the_sft_export(sft_run, tmp_path):
     export = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep2")
-    launch("clevr_count_70k_grpo.py", "clevr_count_70k_grpo.yaml", [
+    launch("grpo.py", "clevr_count_70k_grpo.yaml", [
         f"cluster.fileroot={tmp_path}", "experiment_name=vgrpo", "trial_name=t",
         f"actor.path={export}", "total_train_steps=2", "train_dataset.options.size=16",
         "train_dataset.batch_size=2", "rollout.consumer_batch_size=2", "gconfig.n_samples=2",
