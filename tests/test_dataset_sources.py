@@ -40,7 +40,9 @@ def _check_rows(ds, template_suffix=""):
         assert row["messages"] == [{"role": "user", "content": src["question"] + template_suffix}]
         assert str(row["answer"]) == src["solution"]  # csv reads "4" as 4
         assert row["difficulty"] == src["difficulty"]  # other columns reach the reward
-        assert set(row) == {"messages", "answer", "difficulty", "query_id"}
+        # the user's own names reach the reward too (`columns: {answer: solution}`)
+        assert row["solution"] == row["answer"] and row["question"] == src["question"]
+        assert set(row) == {"messages", "answer", "difficulty", "query_id", "question", "solution"}
     assert len({r["query_id"] for r in ds}) == len(ROWS)
 
 
@@ -133,6 +135,19 @@ def test_prompt_template_may_use_other_columns(tmp_path):
     assert ds[0]["messages"][0]["content"] == "2+2 (in apples), \\boxed{}"
     with pytest.raises(DatasetFormatError, match=r"row 0: prompt_template .*'colour'"):
         get_custom_dataset(path, prompt_template="{prompt} {colour}")
+
+
+def test_first_reward_row_is_what_the_reward_receives(tmp_path):
+    """Preflight calls the reward on this row: canonical and own column names both present."""
+    from arealite.api.data_config import DatasetConfig
+    from arealite.dataset import first_reward_row
+
+    cfg = DatasetConfig(path=_write_jsonl(tmp_path / "r.jsonl", ROWS), columns=MAPPING)
+    row = first_reward_row(cfg)
+    assert row["answer"] == row["solution"] == "0" and row["question"] == "0+0?"
+    assert row["messages"] == [{"role": "user", "content": "0+0?"}] and row["query_id"]
+    arith = first_reward_row(DatasetConfig(path="arith", options={"size": 8}))
+    assert arith["answer"] is not None and arith["messages"]
 
 
 def test_messages_rows_drop_a_final_assistant_turn_for_rl(tmp_path):

@@ -28,6 +28,7 @@ __all__ = [
     "DatasetNotFoundError",
     "check_dataset_config",
     "default_reward",
+    "first_reward_row",
     "get_custom_dataset",
     "is_vision_dataset",
     "load_rows",
@@ -111,7 +112,7 @@ def get_custom_dataset(
                 f"nothing (built-in tasks: {sorted(BUILTIN_TASKS)})"
             )
         raw = preview_rows(path, split, name, data_files, columns, n=None)
-        ds = _canonical_rows(raw, path, split, type, tokenizer, prompt_template)
+        ds = _canonical_rows(raw, path, split, type, tokenizer, prompt_template, columns)
     if len(ds) == 0:
         raise DatasetFormatError(f"dataset {path!r} (split {split!r}) has no rows")
     ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}", on_long=too_long)
@@ -163,6 +164,22 @@ def check_dataset_config(cfg: Any, type: str) -> None:
             raise DatasetFormatError(f"{source}: row {i} has no 'completion'")
 
 
+def first_reward_row(cfg: Any) -> dict | None:
+    """Row 0 of an RL DatasetConfig's data as the reward receives it (canonical columns, the
+    user's own names too), for preflight to call the reward on; None for a vision built-in
+    task (its rows need the model's processor)."""
+    found = find_task(cfg.path)
+    if found is not None:
+        if found[1].vision:
+            return None
+        options = dict(cfg.options or {})
+        return dict(_builtin_rows(found, cfg.split, "rl", None, None, 0, 1, options)[0])
+    raw = preview_rows(cfg.path, cfg.split, cfg.name, cfg.data_files, cfg.columns, n=1)
+    source = f"dataset {cfg.path!r} split {cfg.split!r}"
+    prefix = _id_prefix(cfg.path, cfg.split)
+    return rl_row(raw[0], 0, cfg.prompt_template, source, prefix, cfg.columns)
+
+
 def preview_rows(path, split="train", name=None, data_files=None, columns=None, n=8) -> Any:
     """The raw table of a non-built-in dataset with canonical column names (first `n` rows
     only when `n` is given: what preflight checks)."""
@@ -175,11 +192,16 @@ def preview_rows(path, split="train", name=None, data_files=None, columns=None, 
     return map_columns(ds, columns, source=f"dataset {path!r}")
 
 
-def _canonical_rows(raw, path, split, type, tokenizer, template) -> Any:
+def _id_prefix(path: str, split: str) -> str:
+    return f"{os.path.basename(path.rstrip('/')) or path}-{split}"
+
+
+def _canonical_rows(raw, path, split, type, tokenizer, template, columns=None) -> Any:
     source = f"dataset {path!r} split {split!r}"
-    prefix = f"{os.path.basename(path.rstrip('/')) or path}-{split}"
+    prefix = _id_prefix(path, split)
     if type == "rl":
-        fn, kw = rl_row, {"template": template, "source": source, "id_prefix": prefix}
+        fn = rl_row
+        kw = {"template": template, "source": source, "id_prefix": prefix, "aliases": columns}
     else:
         fn, kw = sft_row_from, {"tokenizer": tokenizer, "template": template, "source": source}
     return raw.map(

@@ -3,7 +3,8 @@
 RL rows: `messages` (a chat list) or `prompt` (a string, made into one user message through an
 optional `prompt_template` such as "{prompt}\\nPut the final answer in \\\\boxed{{}}."); every
 other column (`answer`, `images`, the user's own) stays on the row and reaches the reward
-function as a keyword argument. A trailing assistant turn of `messages` is dropped (RL samples
+function as a keyword argument, and a column renamed by `columns:` arrives under both names
+(`answer` and the user's `solution`). A trailing assistant turn of `messages` is dropped (RL samples
 the answer itself). SFT rows: `messages` with the loss on every assistant turn, or `prompt` +
 `completion` with the loss on the completion and EOS.
 """
@@ -64,13 +65,26 @@ def prompt_messages(row: dict, index: int, template: str | None, source: str) ->
     )
 
 
-def rl_row(row: dict, index: int, template: str | None, source: str, id_prefix: str) -> dict:
-    """messages + every other column; a `query_id` unless the row has one."""
+def rl_row(
+    row: dict,
+    index: int,
+    template: str | None,
+    source: str,
+    id_prefix: str,
+    aliases: dict[str, str] | None = None,
+) -> dict:
+    """messages + every other column; a `query_id` unless the row has one. `aliases` (the
+    config's `columns:`, canonical -> the data's own name) copy each mapped column back under
+    the user's own name too, so a reward reading `solution` after `{answer: solution}` gets it
+    (images excepted: they are not copied twice)."""
     out = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
     out["messages"] = prompt_messages(row, index, template, source)
     if out.get("query_id") is None:
         out["query_id"] = f"{id_prefix}-{index}"
     out["query_id"] = str(out["query_id"])
+    for canon, own in (aliases or {}).items():
+        if canon != "images" and own != canon and own not in out and canon in row:
+            out[own] = row[canon]
     return out
 
 
