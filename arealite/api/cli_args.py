@@ -45,6 +45,7 @@ from arealite.api.train_config import (
     PPOCriticConfig,
     TrainEngineConfig,
 )
+from arealite.utils.reward_errors import FailFast
 
 __all__ = [
     "MISSING",
@@ -110,6 +111,24 @@ class InferenceEngineConfig(ConfigBase):
     pause_grace_period: float = 0.0
     reward_timeout: float = field(default=15.0, metadata=_help("Seconds per reward call."))
     reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
+    reward_fail_fast_calls: int = field(
+        default=64,
+        metadata=_help("Stop the run when the first N reward calls all fail (raise or time "
+                       "out): the reward is broken, not unlucky; 0 = never."),
+    )  # fmt: skip
+    max_reward_error_rate: float = field(
+        default=0.5,
+        metadata=_help("Stop the run when more than this fraction of the last "
+                       "reward_error_window reward calls failed; 1.0 = never."),
+    )  # fmt: skip
+    reward_error_window: int = field(
+        default=256, metadata=_help("Reward calls max_reward_error_rate is measured over.")
+    )
+    no_signal_steps: int = field(
+        default=5,
+        metadata=_help("Warn once when this many consecutive steps have equal rewards in every "
+                       "group (zero advantages: nothing to learn); 0 = never."),
+    )  # fmt: skip
 
     def __post_init__(self):
         super().__post_init__()
@@ -125,6 +144,27 @@ class InferenceEngineConfig(ConfigBase):
             raise ConfigError(
                 f"rollout.max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}"
             )
+        self._check_reward_knobs()
+
+    def _check_reward_knobs(self) -> None:
+        if self.reward_fail_fast_calls < 0 or self.no_signal_steps < 0:
+            raise ConfigError(
+                "rollout.reward_fail_fast_calls and rollout.no_signal_steps must be >= 0 (0 = "
+                f"off), got {self.reward_fail_fast_calls} and {self.no_signal_steps}"
+            )
+        if not 0.0 <= self.max_reward_error_rate <= 1.0:
+            raise ConfigError(
+                f"rollout.max_reward_error_rate must be in [0, 1], got {self.max_reward_error_rate}"
+            )
+        if self.reward_error_window < 1:
+            raise ConfigError(
+                f"rollout.reward_error_window must be >= 1, got {self.reward_error_window}"
+            )
+
+    def reward_fail_fast(self) -> FailFast:
+        """When the run's reward pools give up on a broken reward (arealite/utils/reward_errors.py)."""
+        return FailFast(self.reward_fail_fast_calls, self.max_reward_error_rate,
+                        self.reward_error_window)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- experiments

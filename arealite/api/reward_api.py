@@ -9,12 +9,21 @@ A reward function scores ONE sampled completion:
   sample (special tokens skipped; the name follows AReaL); `prompt_ids` / `completion_ids`:
   the exact token ids.
 - `**row`: every other column of the dataset row, by its canonical name (`answer`, `images`,
-  `query_id`, `messages`, and the user's own columns). Take what you need, accept `**row`.
+  `query_id`, `messages`, and the user's own columns). A column renamed by the dataset's
+  `columns:` arrives under both names: after `columns: {answer: solution}` the reward gets
+  `answer` and `solution` (the same value). Take what you need, accept `**row`.
 - It may be `async def`. It runs in a worker process, so it must live at module level (or be a
   picklable instance: a class with state subclasses `Reward` and implements `score`).
-- It returns a float. An exception, a non-finite value or a timeout
-  (`rollout.reward_timeout`) scores 0 for that sample; the run goes on, the metrics count it
-  (`rollout/errors`, `rollout/timeouts`) and the first traceback is logged.
+- It returns a float. Preflight (the launcher, before any server starts) calls it once per
+  spec on row 0 of `train_dataset` with a short dummy completion, in a worker process with the
+  timeout: a TypeError, an ImportError, a non-float or a timeout there fails the launch,
+  naming the spec and the row's columns.
+- At run time an exception, a non-finite value or a timeout (`rollout.reward_timeout`) scores 0
+  for that sample; the run goes on, the metrics count it (`rollout/errors`,
+  `rollout/timeouts`) and each kind of failure is logged once (then by count). A reward that
+  is plainly broken stops the run with its first traceback and the counts: the first
+  `rollout.reward_fail_fast_calls` calls (64) all failed, or more than
+  `rollout.max_reward_error_rate` (0.5) of the last `rollout.reward_error_window` (256) did.
 
 Example, `my_rewards.py` next to the YAML:
 

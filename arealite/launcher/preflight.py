@@ -19,6 +19,7 @@ from arealite.api.rm_config import (
     is_preference_data,
     read_preference_rows,
 )
+from arealite.launcher.reward_probe import probe_rewards
 
 # "org/name" (a hub id) rather than a filesystem path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -188,6 +189,32 @@ def check_task(config) -> None:
             raise ConfigError(f"{key}: {e}") from None
 
 
+def check_rewards_call(config) -> None:
+    """Each reward is called once on row 0 of its data (reward_probe.py): a reward that imports
+    and has the contract's signature can still raise, or return None, on every sample."""
+    if not isinstance(config, GRPOConfig):
+        return
+    dataset = _dataset_layer()
+    reward = config.reward or dataset.default_reward(config.train_dataset.path)
+    if reward is None:
+        return  # an agent that rewards itself (check_task refused every other case)
+    checks = [("reward", reward, config.reward_weights, "train_dataset")]
+    if config.eval_reward:
+        data_key = "valid_dataset" if config.valid_dataset is not None else "train_dataset"
+        checks.append(("eval_reward", config.eval_reward, None, data_key))
+    for key, value, weights, data_key in checks:
+        cfg = getattr(config, data_key)
+        try:
+            row = dataset.first_reward_row(cfg)
+        except Exception as e:  # a built-in task that cannot load here: the run will say why
+            print(f"preflight: {key} not called ({data_key} row 0 did not load: {e})")
+            continue
+        if row is not None:
+            specs = [spec for spec, _ in reward_specs(value, weights)]
+            where = f"row 0 of {data_key}.path={cfg.path!r}"
+            probe_rewards(key, specs, row, where, config.rollout.reward_timeout)
+
+
 def check_preferences(config: RMConfig) -> None:
     """Reward-model data: every jsonl row has a prompt (or messages), chosen and rejected."""
     for key in ("train_dataset", "valid_dataset"):
@@ -270,6 +297,7 @@ def load_and_check(argv: list[str]):
     config = load_expr_config(script_args, config_cls)
     script_args = resolve_models(config, script_args)
     check_task(config)
+    check_rewards_call(config)  # each reward, once, on a real row (after the cheap checks)
     check_lora_models(config)  # target_modules against the model's modules (meta device)
     check_master_weight_precision(config)
     check_weight_update(config)

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 from arealite.api.reward_api import ContractReward, reward_specs
+from arealite.utils.reward_errors import FailFast
 from arealite.utils.reward_pool import RewardPool
 
 COUNTERS = ("calls", "ok", "timeouts", "errors")
@@ -19,9 +20,16 @@ COUNTERS = ("calls", "ok", "timeouts", "errors")
 class WeightedRewardPool:
     """Drop-in for RewardPool (`await pool(**kw)`, `.stats`, `.close()`) over several rewards."""
 
-    def __init__(self, specs: list[tuple[str, float]], workers: int, timeout: float):
+    def __init__(
+        self,
+        specs: list[tuple[str, float]],
+        workers: int,
+        timeout: float,
+        fail_fast: FailFast | None = None,
+    ):
         self.components = [
-            (s, w, RewardPool(ContractReward(s), workers, timeout)) for s, w in specs
+            (s, w, RewardPool(ContractReward(s), workers, timeout, fail_fast=fail_fast))
+            for s, w in specs
         ]
         self._sums = {s: 0.0 for s, _ in specs}
         self._counts = {s: 0 for s, _ in specs}
@@ -52,9 +60,13 @@ class WeightedRewardPool:
             p.close()
 
 
-def make_reward_pool(reward: Any, weights: Any, workers: int, timeout: float):
-    """A RewardPool for one reward spec, a WeightedRewardPool for a list of them."""
+def make_reward_pool(
+    reward: Any, weights: Any, workers: int, timeout: float, fail_fast: FailFast | None = None
+):
+    """A RewardPool for one reward spec, a WeightedRewardPool for a list of them; `fail_fast`
+    (`config.rollout.reward_fail_fast()`) stops the run on a broken reward, each spec judged
+    on its own calls."""
     specs = reward_specs(reward, weights)
     if len(specs) == 1 and specs[0][1] == 1.0:
-        return RewardPool(ContractReward(specs[0][0]), workers, timeout)
-    return WeightedRewardPool(specs, workers, timeout)
+        return RewardPool(ContractReward(specs[0][0]), workers, timeout, fail_fast=fail_fast)
+    return WeightedRewardPool(specs, workers, timeout, fail_fast)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from arealite.utils.reward_errors import FailFast, RewardErrors
+
 logger = logging.getLogger("arealite.reward")
 
 WARMUP_TIMEOUT_S = 300.0
@@ -85,7 +87,9 @@ def _kill_all(gens: list[_Generation]) -> None:
 class RewardPool:
     """`await pool(*args, **kwargs)` runs `reward_fn(*args, **kwargs)` in a worker process and
     returns a float; a timeout, an exception or a non-finite value (NaN, inf, not a number)
-    returns `default` (0.0) and is counted in `stats` (timeouts / errors) and logged."""
+    returns `default` (0.0) and is counted in `stats` (timeouts / errors) and logged once per
+    kind with a count; with `fail_fast`, a reward that plainly never works raises
+    RewardFailFastError instead (reward_errors.py), so the run stops."""
 
     def __init__(
         self,
@@ -94,6 +98,7 @@ class RewardPool:
         timeout: float = 15.0,
         default: float = 0.0,
         mp_context: str = "forkserver",
+        fail_fast: FailFast | None = None,
     ):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -117,6 +122,7 @@ class RewardPool:
         self._current: _Generation | None = None
         self._closed = False
         self.stats = {"calls": 0, "ok": 0, "timeouts": 0, "errors": 0}
+        self.errors = RewardErrors(getattr(reward_fn, "__name__", repr(reward_fn)), fail_fast)
         self._finalizer = weakref.finalize(self, _kill_all, self._gens)
 
     def _generation(self) -> _Generation:
@@ -152,29 +158,17 @@ class RewardPool:
                 raise ValueError(f"returned a non-finite reward {value}")
         except asyncio.TimeoutError:
             self.stats["timeouts"] += 1
-            logger.warning(
-                "reward_fn %s timed out after %.1fs; reward %s (%d timeouts so far)",
-                getattr(self.reward_fn, "__name__", self.reward_fn),
-                self.timeout,
-                self.default,
-                self.stats["timeouts"],
-            )
             self._retire(gen, stuck=fut)
+            self.errors.failed(f"timeout after {self.timeout:g}s")
             return self.default
         except Exception as e:
             self.stats["errors"] += 1
-            logger.warning(
-                "reward_fn %s raised %s: %s; reward %s (%d errors so far)",
-                getattr(self.reward_fn, "__name__", self.reward_fn),
-                type(e).__name__,
-                e,
-                self.default,
-                self.stats["errors"],
-            )
             if isinstance(e, BrokenProcessPool):
                 self._retire(gen)
+            self.errors.failed(type(e).__name__, e)
             return self.default
         self.stats["ok"] += 1
+        self.errors.ok()
         return value
 
     def _on_finished(self, gen: _Generation, fut: concurrent.futures.Future) -> None:
