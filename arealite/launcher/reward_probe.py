@@ -21,6 +21,10 @@ from typing import Any
 from arealite.api.config_loader import ConfigError
 from arealite.api.reward_api import CONTRACT_ARGS, resolve_reward
 
+# Never row-dependent: the reward fails like this on every sample. Anything else raised on row 0
+# (a ValueError on an odd answer) is only printed: the run scores such samples 0, and stops if
+# most calls fail (rollout.max_reward_error_rate).
+FATAL = (TypeError, ImportError, NameError)
 DUMMY_COMPLETION = "42"
 DUMMY_PROMPT_IDS = [0, 1, 2, 3]
 DUMMY_COMPLETION_IDS = [4, 5]
@@ -33,22 +37,21 @@ def _resolve(spec: str) -> None:
     _RESOLVED[spec] = resolve_reward(spec)
 
 
-def _call(spec: str, kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
-    """In the worker: (repr of what the reward returned, the problem or None). Never raises: a
-    user's exception may not unpickle in the launcher, its formatted traceback always does."""
+def _call(spec: str, kwargs: dict[str, Any]) -> tuple[bool, str | None]:
+    """In the worker: (fatal, the problem or None). Never raises: a user's exception may not
+    unpickle in the launcher, its formatted traceback always does."""
     try:
         value = _RESOLVED[spec](**kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
-    except BaseException as e:
-        return None, f"raised {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}"
+    except Exception as e:
+        text = f"raised {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}"
+        return isinstance(e, FATAL), text
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        return repr(value)[
-            :200
-        ], f"returned {repr(value)[:200]} ({type(value).__name__}), not a float"
+        return True, f"returned {repr(value)[:200]} ({type(value).__name__}), not a float"
     if not math.isfinite(float(value)):
-        return repr(value), f"returned {float(value)}, not a finite float"
-    return repr(value), None
+        return False, f"returned {float(value)}, not a finite float (such samples score 0)"
+    return False, None
 
 
 async def _awaited(value: Any) -> Any:
@@ -65,8 +68,9 @@ def contract_kwargs(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def probe_rewards(key: str, specs: list[str], row: dict[str, Any], where: str, timeout: float):
-    """Call each spec once on `row` in one worker process; ConfigError naming `key`, the spec and
-    the row's columns on an exception, a non-float or a timeout (`where`: which data row)."""
+    """Call each spec once on `row` in one worker process (`where`: which data row): ConfigError
+    naming `key`, the spec and the row's columns on a TypeError, an ImportError, a NameError or
+    a non-float; other exceptions and a timeout are printed, and the run goes on."""
     kwargs = contract_kwargs(row)
     columns = sorted(k for k in kwargs if k not in CONTRACT_ARGS)
     pool = multiprocessing.get_context("spawn").Pool(1)
@@ -76,15 +80,17 @@ def probe_rewards(key: str, specs: list[str], row: dict[str, Any], where: str, t
                     f"{columns}) with the dummy completion {DUMMY_COMPLETION!r},")  # fmt: skip
             try:
                 pool.apply_async(_resolve, (spec,)).get(IMPORT_TIMEOUT_S)
-                _, problem = pool.apply_async(_call, (spec, kwargs)).get(timeout)
-            except multiprocessing.TimeoutError:
-                raise ConfigError(
-                    f"{head} did not return within {timeout:g}s (rollout.reward_timeout; "
-                    f"imports: {IMPORT_TIMEOUT_S:g}s)"
-                ) from None
+                fatal, problem = pool.apply_async(_call, (spec, kwargs)).get(timeout)
+            except multiprocessing.TimeoutError:  # the worker is stuck: a fresh one goes on
+                fatal, problem = False, f"did not return within {timeout:g}s"
+                pool.terminate()
+                pool = multiprocessing.get_context("spawn").Pool(1)
             except Exception as e:  # the worker died, or the import failed there
-                problem = f"failed in the worker: {type(e).__name__}: {e}"
-            if problem is not None:
+                fatal, problem = True, f"failed in the worker: {type(e).__name__}: {e}"
+            if problem is not None and not fatal:
+                print(f"preflight: {head} {problem}\n(not fatal: the run scores such samples 0, "
+                      "and stops if most calls fail)", flush=True)  # fmt: skip
+            elif problem is not None:
                 raise ConfigError(
                     f"{head} {problem}\nThe contract: fn(prompt, completions, prompt_ids, "
                     "completion_ids, **row) -> float (arealite/api/reward_api.py); the row's "

@@ -87,7 +87,8 @@ class RewardErrors:
             if p.first_calls and self.calls == n_failed == p.first_calls:
                 self.tripped = f"its first {p.first_calls} calls all failed"
             recent = sum(self._recent)
-            if len(self._recent) == p.window and recent > p.max_error_rate * p.window:
+            full = len(self._recent) == p.window
+            if self.tripped is None and full and recent > p.max_error_rate * p.window:
                 self.tripped = (
                     f"{recent} of its last {p.window} calls failed (over "
                     f"rollout.max_reward_error_rate={p.max_error_rate})"

@@ -1,0 +1,98 @@
+"""A broken reward, through the real launcher (issue 23): preflight calls each reward once on row
+0 and refuses a TypeError, an import error or a non-float before anything starts; a reward that
+passes preflight but fails on real samples stops the run in its first step; a run whose groups
+all score alike says so once; the user's own column names reach the reward."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from test_byot import launch, write_task
+
+BROKEN = """
+def wrong_name(prompt, completion, prompt_ids, completion_ids, **kw):  # not `completions`
+    return 1.0
+
+
+def lazy_import(prompt, completions, prompt_ids, completion_ids, **kw):
+    import no_such_reward_lib
+    return 1.0
+
+
+def forgets_return(prompt, completions, prompt_ids, completion_ids, answer=None, **kw):
+    if completions.strip() == answer:
+        return 1.0
+
+
+def weighted(prompt, completions, prompt_ids, completion_ids, answer=None, weight=None, **kw):
+    return float(weight) * float(completions.strip() == answer)  # `weight` is on row 0 only
+
+
+def needs_solution(prompt, completions, prompt_ids, completion_ids, solution=None, **kw):
+    if solution is None:  # `columns: {answer: solution}`: the user's own name arrives too
+        raise KeyError("solution")
+    return 0.0  # the random model is never right: no group has a learning signal
+"""
+COLUMNS = "['answer', 'id', 'messages', 'points', 'query_id', 'question', 'solution', 'weight']"
+
+
+def broken_task(tmp_path, model: str) -> tuple[str, str, str]:
+    """(yaml, run dir, rewards file) of test_byot's task; row 0 alone has a `weight`."""
+    yaml, run_dir = write_task(tmp_path, model)
+    rows = [json.loads(line) for line in open(tmp_path / "my_data.jsonl")]
+    rows[0]["weight"] = 1.0
+    (tmp_path / "my_data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "broken.py").write_text(BROKEN)
+    return yaml, run_dir, str(tmp_path / "broken.py")
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        ("wrong_name", r"raised TypeError: wrong_name\(\) missing 1 .* argument: 'completion'"),
+        ("lazy_import", "raised ModuleNotFoundError: No module named 'no_such_reward_lib'"),
+        ("forgets_return", r"returned None \(NoneType\), not a float"),
+    ],
+)
+def test_preflight_calls_the_reward_on_a_real_row(tmp_path, tiny_model_dir, fn, message):
+    yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
+    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:{fn}", "reward_weights=null",
+                           timeout=60)  # fmt: skip
+    head = f"reward: reward '{rewards}:{fn}', called by preflight on row 0 of train_dataset"
+    assert rc != 0 and head in out and re.search(message, out), out[-3000:]
+    assert COLUMNS in out and "columns arrive as keywords" in out
+    assert not os.path.exists(os.path.join(run_dir, "logs", "server0.log"))  # nothing started
+    print(f"preflight refused {fn} in {secs:.1f}s")
+
+
+@pytest.mark.integration
+def test_a_reward_failing_on_real_samples_stops_the_run_in_its_first_step(tmp_path, tiny_model_dir):
+    yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
+    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:weighted", "reward_weights=null",
+                           "rollout.reward_fail_fast_calls=8", "rollout.reward_error_window=8")  # fmt: skip
+    assert rc != 0, out[-6000:]
+    assert f"reward {rewards}:weighted is broken:" in out, out[-6000:]
+    assert re.search(r"failed of 8 calls: TypeError x[678]\)", out), out[-6000:]
+    assert "float() argument must be a string or a real number, not 'NoneType'" in out
+    assert out.count("it scores 0. Repeats of this kind") == 1  # logged once, not per call
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    assert not os.path.exists(metrics) or not open(metrics).read().strip()  # no step trained
+    print(f"stopped in {secs:.1f}s")
+
+
+@pytest.mark.integration
+def test_own_column_names_reach_the_reward_and_no_signal_is_said_once(tmp_path, tiny_model_dir):
+    yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
+    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:needs_solution",
+                           "reward_weights=null", "rollout.reward_fail_fast_calls=8",
+                           "rollout.no_signal_steps=2")  # fmt: skip
+    assert rc == 0, out[-6000:]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert len(records) == 3 and records[-1]["rollout/errors"] == 0  # `solution` arrived
+    assert out.count("no learning signal") == 1, out[-6000:]
+    assert "no learning signal: in each of steps 0..1 (2 steps, 4 groups of 2" in out
+    assert "rewards seen: 0 x16" in out and "gets None for a column" in out
+    print(f"3 steps in {secs:.1f}s")
