@@ -34,6 +34,7 @@ from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.trainer.evaluator import Evaluator
+from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
@@ -74,7 +75,8 @@ def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=Non
     executor.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
     reward = (config.eval_reward, None) if config.eval_reward else reward_of(config)
-    pool = make_reward_pool(*reward, workers=1, timeout=config.rollout.reward_timeout)
+    pool = make_reward_pool(*reward, workers=1, timeout=config.rollout.reward_timeout,
+                            fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
     workflow = workflow_cls(None, gconfig, processor or tokenizer, reward_pool=pool)
 
     def accuracy() -> float:
@@ -143,7 +145,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
     executor.initialize(train_data_parallel_size=world)
     reward_pool = make_reward_pool(*reward_of(config), workers=config.rollout.reward_workers,
-                                   timeout=config.rollout.reward_timeout)  # fmt: skip
+                                   timeout=config.rollout.reward_timeout,
+                                   fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
     workflow = workflow_cls(
         None, config.gconfig, processor or tokenizer, reward_pool=reward_pool,
         dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
@@ -178,6 +181,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
 
     data_iter = iter(train_loader)
     first_actor_step = config.critic.warmup_steps if critic is not None else 0
+    no_signal = NoLearningSignal(config.rollout.no_signal_steps, config.actor.group_size)
     for global_step in range(start, total_steps):
         epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
         # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
@@ -192,6 +196,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
                     rows = next(data_iter)
                 batch = executor.rollout_batch(rows, workflow)
         log_trained_items(trained_log, global_step, executor.last_batch_data)
+        no_signal.observe(global_step, batch["rewards"])  # warns once: equal rewards in every group
 
         # 2. Reference logprobs for the KL term. The proximal policy of the decoupled loss
         #    needs no call: ppo_update takes it from its own forward (or recomputes it).
