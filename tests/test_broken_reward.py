@@ -68,6 +68,28 @@ def test_preflight_calls_the_reward_on_a_real_row(tmp_path, tiny_model_dir, fn, 
     print(f"preflight refused {fn} in {secs:.1f}s")
 
 
+def test_a_row_specific_error_or_a_timeout_in_preflight_is_printed_not_fatal(tmp_path, capsys):
+    """Only errors that fail every sample refuse the launch; the rest the run counts."""
+    from arealite.launcher.reward_probe import probe_rewards
+
+    (tmp_path / "r.py").write_text(
+        "import time\n"
+        "def odd(prompt, completions, prompt_ids, completion_ids, **kw):\n"
+        "    raise ValueError('no answer on this row')\n"
+        "def hangs(prompt, completions, prompt_ids, completion_ids, **kw):\n"
+        "    time.sleep(60)\n"
+        "async def ok(prompt, completions, prompt_ids, completion_ids, answer=None, **kw):\n"
+        "    return float(completions == answer)\n"
+    )
+    row = {"messages": [{"role": "user", "content": "6*7="}], "answer": "42", "query_id": "q"}
+    specs = [f"{tmp_path / 'r.py'}:{fn}" for fn in ("odd", "hangs", "ok")]
+    probe_rewards("reward", specs, row, "row 0", timeout=1.0)
+    out = capsys.readouterr().out
+    assert "raised ValueError: no answer on this row" in out
+    assert "r.py:hangs', called by preflight on row 0 (columns ['answer', 'messages'" in out
+    assert "did not return within 1s" in out and out.count("not fatal") == 2
+
+
 @pytest.mark.integration
 def test_a_reward_failing_on_real_samples_stops_the_run_in_its_first_step(tmp_path, tiny_model_dir):
     yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
