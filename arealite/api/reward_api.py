@@ -14,9 +14,9 @@ A reward function scores ONE sampled completion:
   `answer` and `solution` (the same value). Take what you need, accept `**row`.
 - It may be `async def`. It runs in a worker process, so it must live at module level (or be a
   picklable instance: a class with state subclasses `Reward` and implements `score`).
-- It returns a float. Preflight (the launcher, before any server starts) calls it once per
-  spec on row 0 of `train_dataset` with a short dummy completion, in a worker process with the
-  timeout: a TypeError, an ImportError, a NameError or a non-float there fails the launch,
+- It returns a float. Preflight (the launcher, before any server starts) calls each of your
+  specs (not the built-ins) once on row 0 of `train_dataset` with a short dummy completion, in
+  a worker process with the timeout: a TypeError, an ImportError, a NameError or a non-float there fails the launch,
   naming the spec and the row's columns (another exception or a timeout is printed only).
 - At run time an exception, a non-finite value or a timeout (`rollout.reward_timeout`) scores 0
   for that sample; the run goes on, the metrics count it (`rollout/errors`,

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig, load_expr_config
 from arealite.api.lora_config import check_lora_models
-from arealite.api.reward_api import RewardSpecError, resolve_reward, reward_specs
+from arealite.api.reward_api import BUILTIN_REWARDS, RewardSpecError, resolve_reward, reward_specs
 from arealite.api.rm_config import (
     BUILTIN_PREFERENCES,
     PreferenceFormatError,
@@ -190,12 +190,13 @@ def check_task(config) -> None:
 
 
 def check_rewards_call(config) -> None:
-    """Each reward is called once on row 0 of its data (reward_probe.py): a reward that imports
-    and has the contract's signature can still raise, or return None, on every sample."""
+    """Each user reward is called once on row 0 of its data (reward_probe.py): one that imports
+    and has the contract's signature can still raise, or return None, on every sample. The
+    library's own (built-in names, reward-model folders) are tested with the library."""
     if not isinstance(config, GRPOConfig):
         return
     dataset = _dataset_layer()
-    checks = []  # a built-in task's own reward (`reward:` unset) is tested with the library
+    checks = []  # a built-in task's own reward (`reward:` unset) is the library's
     if config.reward:
         checks.append(("reward", config.reward, config.reward_weights, "train_dataset"))
     if config.eval_reward:
@@ -203,13 +204,16 @@ def check_rewards_call(config) -> None:
         checks.append(("eval_reward", config.eval_reward, None, data_key))
     for key, value, weights, data_key in checks:
         cfg = getattr(config, data_key)
+        specs = [s for s, _ in reward_specs(value, weights)
+                 if s not in BUILTIN_REWARDS and not os.path.isdir(s)]  # fmt: skip
+        if not specs:
+            continue
         try:
             row = dataset.first_reward_row(cfg)
         except Exception as e:  # a built-in task that cannot load here: the run will say why
             print(f"preflight: {key} not called ({data_key} row 0 did not load: {e})")
             continue
         if row is not None:
-            specs = [spec for spec, _ in reward_specs(value, weights)]
             where = f"row 0 of {data_key}.path={cfg.path!r}"
             probe_rewards(key, specs, row, where, config.rollout.reward_timeout)
 
