@@ -191,7 +191,7 @@ def test_choices_are_checked_for_configs_built_in_python():
 
 @pytest.mark.parametrize(
     "key",
-    ["train_dataset.num_workers", "train_dataset.type", "weight_update", "actor.backend",
+    ["train_dataset.num_workers", "train_dataset.type", "actor.backend",
      "actor.optimizer.type", "cluster.name_resolve.etcd_address"],
 )  # fmt: skip
 def test_keys_that_did_nothing_are_gone(grpo_yaml, key):
