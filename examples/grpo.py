@@ -6,8 +6,7 @@ name or your own function); see README "Bring your own task".
         experiment_name=gsm8k trial_name=run1 actor.path=Qwen/Qwen2.5-1.5B-Instruct
 
 Rows with images (a vision task, or a model folder with an image processor) run
-VisionRLVRWorkflow with the model's processor. `gsm8k_grpo.py`, `arith_grpo.py` and
-`clevr_count_70k_grpo.py` are this script under their old names.
+VisionRLVRWorkflow with the model's processor.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
+from arealite.agent.route import AgentRoute
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
 from arealite.dataset import default_reward, is_vision_dataset, load_rows
@@ -75,8 +75,8 @@ def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=Non
     executor.initialize(train_data_parallel_size=world)
     gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
     reward = (config.eval_reward, None) if config.eval_reward else reward_of(config)
-    pool = make_reward_pool(*reward, workers=1, timeout=config.rollout.reward_timeout,
-                            fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
+    pool = reward_pool_of(*reward, workers=1, timeout=config.rollout.reward_timeout,
+                          fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
     workflow = workflow_cls(None, gconfig, processor or tokenizer, reward_pool=pool)
 
     def accuracy() -> float:
@@ -99,12 +99,21 @@ def log_trained_items(path: str, step: int, rows: list) -> None:
 def reward_of(config) -> tuple:
     """(reward, reward_weights) of the config, or the built-in task's own reward."""
     reward = config.reward or default_reward(config.train_dataset.path)
+    if reward is None and config.agent.command:  # the agent answers its own rewards
+        return None, None
     if reward is None:
         raise ValueError(
             f"train_dataset.path={config.train_dataset.path!r} is your own data: set `reward:` "
             "(e.g. reward: my_rewards.py:score; see arealite/api/reward_api.py)"
         )
     return reward, config.reward_weights
+
+
+def reward_pool_of(reward, weights, workers: int, timeout: float, fail_fast=None):
+    """The reward's process pool; None when there is no reward (an agent that rewards itself)."""
+    if reward is None:
+        return None
+    return make_reward_pool(reward, weights, workers, timeout, fail_fast)
 
 
 def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs) -> None:
@@ -119,6 +128,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     if workflow_cls is None and is_vision_dataset(config.train_dataset.path, processor_path):
         workflow_cls, load_processor = VisionRLVRWorkflow, load_processor or load_vlm_processor
     workflow_cls = workflow_cls or RLVRWorkflow
+    if config.agent.command:  # agent.command: an AgentProxy + the agent's processes serve episodes
+        workflow_cls = AgentRoute(config.agent, tokenizer)
     processor = load_processor(processor_path) if load_processor else None
     torch.manual_seed(config.seed)
 
@@ -144,9 +155,9 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
     rollout.initialize()
     executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
     executor.initialize(train_data_parallel_size=world)
-    reward_pool = make_reward_pool(*reward_of(config), workers=config.rollout.reward_workers,
-                                   timeout=config.rollout.reward_timeout,
-                                   fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
+    reward_pool = reward_pool_of(*reward_of(config), workers=config.rollout.reward_workers,
+                                 timeout=config.rollout.reward_timeout,
+                                 fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
     workflow = workflow_cls(
         None, config.gconfig, processor or tokenizer, reward_pool=reward_pool,
         dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,

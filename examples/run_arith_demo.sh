@@ -17,6 +17,8 @@ echo "== 1/2 SFT warm start (examples/configs/arith_sft.yaml)"
 $PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \
   cluster.fileroot="$RUN" model.path="$RUN/tiny_model"
 SFT_MODEL=$(ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ | tail -n 1)
+# The stable path the YAMLs name (actor.path: runs/demo/sft_model).
+ln -sfn "$(cd "$SFT_MODEL" && pwd)" "$RUN/sft_model"
 
 echo "== 2/2 GRPO from $SFT_MODEL (examples/configs/arith_grpo.yaml)"
 $PY -m arealite.launcher.local examples/grpo.py --config examples/configs/arith_grpo.yaml \

@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
+from arealite.api.agent_config import AgentConfig
 from arealite.api.config_loader import ConfigBase, ConfigError, load_expr_config, to_yaml
 from arealite.api.config_loader import help_text as _help
 from arealite.api.data_config import (
@@ -49,6 +50,7 @@ from arealite.utils.reward_errors import FailFast
 
 __all__ = [
     "MISSING",
+    "AgentConfig",
     "ACTOR_PRESETS",
     "GenerationHyperparameters",
     "MicroBatchSpec",
@@ -258,6 +260,10 @@ class GRPOConfig(BaseExperimentConfig):
     )
     reward_weights: Optional[list[float]] = field(
         default=None, metadata=_help("Weights of a list of rewards (weighted sum); null = all 1.")
+    )
+    agent: AgentConfig = field(
+        default_factory=AgentConfig,
+        metadata=_help("An agent program trained through the AgentProxy (docs/agents.md)."),
     )
     eval_reward: Optional[str] = field(
         default=None,
