@@ -24,7 +24,7 @@ echo "== PPO with a critic on the uniform task (warm-up 10 steps): sync, async, 
 PPO=(examples/grpo.py --config examples/configs/arith_ppo.yaml actor.path="$POLICY"
      critic.path="$POLICY" total_train_steps=100 critic.warmup_steps=10
      train_dataset.options.mix=null valid_dataset.options.mix=null)
-launch "${PPO[@]}" trial_name=sync async_training=false rollout.max_head_offpolicyness=0
+launch "${PPO[@]}" trial_name=sync rollout.max_head_offpolicyness=0
 launch "${PPO[@]}" trial_name=async
 launch "${PPO[@]}" trial_name=async-judge critic.path="$JUDGE" critic.optimizer.lr=3e-4 \
   critic.ppo_n_minibatches=2

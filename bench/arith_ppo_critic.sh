@@ -14,7 +14,7 @@ SFT=$(final arith-sft-mixed/demo)
 
 echo "== PPO with a critic, sync then async (150 steps, the first 10 critic-only)"
 PPO=(examples/grpo.py --config examples/configs/arith_ppo.yaml actor.path="$SFT" critic.path="$SFT")
-launch "${PPO[@]}" trial_name=sync async_training=false rollout.max_head_offpolicyness=0
+launch "${PPO[@]}" trial_name=sync rollout.max_head_offpolicyness=0
 launch "${PPO[@]}" trial_name=async
 $PY bench/summarize_run.py "$W"/arith-ppo/sync "$W"/arith-ppo/async
 

@@ -2,7 +2,7 @@
 
 Both runs go through the local launcher (`examples/grpo.py` + `examples/configs/
 arith_grpo.yaml`) from the same warm-start model with the same seeds, one after the other in
-this process, and differ only in `async_training` / `rollout.max_head_offpolicyness`.
+this process, and differ only in `rollout.max_head_offpolicyness` (0 = synchronous).
 
 Figures (one JSON line each, then the ratios), read from each run's metrics.jsonl:
 - sec_per_step: (wall_time[last] - wall_time[0]) / (steps - 1): step 0 is left out because it
@@ -98,7 +98,7 @@ def run_grpo(args, workdir: str, model: str, name: str, eta: int) -> dict:
         f"cluster.fileroot={workdir}", "experiment_name=bench-grpo", f"trial_name={name}",
         f"actor.path={model}", f"total_train_steps={args.steps}",
         f"evaluator.freq_steps={args.eval_every}", "saver.freq_steps=null",
-        f"async_training={str(eta > 0).lower()}", f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.max_head_offpolicyness={eta}",
         *args.set,
     ]  # fmt: skip
     secs = launch("grpo.py", "arith_grpo.yaml", overrides,

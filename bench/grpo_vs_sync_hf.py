@@ -90,9 +90,9 @@ def run_arealite(workdir: str, model: str, steps: int, eta: int) -> dict:
     overrides = [
         f"cluster.fileroot={workdir}", "experiment_name=bench", f"trial_name={name}",
         f"actor.path={model}", f"total_train_steps={steps}", "valid_dataset=null",
-        "saver.freq_steps=null", f"async_training={str(eta > 0).lower()}",
+        "saver.freq_steps=null",
         f"rollout.max_head_offpolicyness={eta}", f"train_dataset.batch_size={N_PROMPTS}",
-        f"rollout.consumer_batch_size={N_PROMPTS}", f"gconfig.n_samples={N_SAMPLES}",
+        f"gconfig.n_samples={N_SAMPLES}",
         f"gconfig.max_new_tokens={NEW_TOKENS}", "actor.optimizer.lr=1e-4",
     ]  # fmt: skip
     launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))

@@ -7,7 +7,7 @@ seed proves nothing, so every arm runs 3 seeds.
 
 Arms, on the demo (examples/grpo.py + examples/configs/arith_grpo.yaml, dynamic sampling on as
 the demo has it: it applies to every arm alike) from one SFT warm start:
-- eta0: async_training=false (synchronous; decoupled loss on, behaviour = proximal policy);
+- eta0: rollout.max_head_offpolicyness=0 (synchronous; decoupled loss on, behaviour = proximal policy);
 - etaK_decoupled, K in 1 2 4 8: max_head_offpolicyness=K, use_decoupled_loss=true;
 - etaK_naive: use_decoupled_loss=false, recompute_logprob=false, so PPO's old policy is the
   behaviour policy. (recompute_logprob=true would make old = the current weights with one
@@ -60,7 +60,7 @@ def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int)
         f"cluster.fileroot={workdir}", "experiment_name=staleness", f"trial_name={arm}_s{seed}",
         f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
         "evaluator.freq_steps=null", f"evaluator.freq_secs={eval_secs}", "saver.freq_steps=null",
-        f"async_training={str(eta > 0).lower()}", f"rollout.max_head_offpolicyness={eta}",
+        f"rollout.max_head_offpolicyness={eta}",
         f"actor.use_decoupled_loss={str(decoupled).lower()}",
         f"actor.recompute_logprob={str(decoupled).lower()}",
     ]  # fmt: skip

@@ -197,7 +197,7 @@ def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs)
         epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
         # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
         with stats_tracker.record_timing("rollout"):
-            if config.async_training or group_filter is not None:  # eta = 0 is sync there too
+            if config.rollout.max_head_offpolicyness > 0 or group_filter is not None:
                 batch = executor.prepare_batch(train_loader, workflow, group_filter)
             else:
                 try:

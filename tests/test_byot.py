@@ -34,10 +34,10 @@ experiment_name: byot
 trial_name: grpo
 allocation_mode: local.d1p1t1+d1p1t1
 total_train_steps: 3
-actor: {{path: {model}, group_size: 2, dtype: float32, fsdp: {{param_dtype: float32}}}}
+actor: {{path: {model}, dtype: float32, fsdp: {{param_dtype: float32}}}}
 server: {{dtype: float32}}
 gconfig: {{n_samples: 2, max_new_tokens: 4}}
-rollout: {{consumer_batch_size: 4, max_head_offpolicyness: 1, reward_workers: 1}}
+rollout: {{max_head_offpolicyness: 1, reward_workers: 1}}
 train_dataset:
   path: {data}
   batch_size: 4
@@ -100,7 +100,7 @@ def launch(script: str, yaml: str, *overrides: str, timeout: float = 400, env=No
         ),
         (
             "rollout.consumer_batch_size=8",
-            r"rollout.consumer_batch_size=8 but train_dataset.batch_size=4.*set them equal",
+            r"rollout.consumer_batch_size.*set train_dataset.batch_size instead",
         ),
         (
             "reward=null reward_weights=null",

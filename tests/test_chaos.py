@@ -60,10 +60,10 @@ def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
     """Synchronous GRPO (eta = 0, seeded sampling): a rerun regenerates the same tokens."""
     return launcher_cmd(fileroot, trial, "grpo.py", [
         f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.options.size=256",
-        "train_dataset.batch_size=4", "rollout.consumer_batch_size=4", "gconfig.n_samples=4",
-        "rollout.max_concurrent_rollouts=8", "actor.group_size=4", "gconfig.seed=7",
+        "train_dataset.batch_size=4", "gconfig.n_samples=4",
+        "rollout.max_concurrent_rollouts=8", "gconfig.seed=7",
         "server.dtype=float32", "actor.fsdp.param_dtype=float32", "recover.mode=auto",
-        "recover.freq_steps=1", "recover.retries=2", "async_training=false",
+        "recover.freq_steps=1", "recover.retries=2",
         "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
         "actor.use_decoupled_loss=false", "rollout.setup_timeout=120",
         "actor.dynamic_sampling=false",  # every item trained exactly once (none dropped)

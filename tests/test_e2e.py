@@ -58,9 +58,9 @@ def grpo_overrides(fileroot: str, trial: str, model: str, steps: int) -> list[st
     return [
         f"cluster.fileroot={fileroot}", "experiment_name=e2e-grpo", f"trial_name={trial}",
         f"actor.path={model}", f"total_train_steps={steps}",
-        f"train_dataset.batch_size={PROMPTS}", f"rollout.consumer_batch_size={PROMPTS}",
+        f"train_dataset.batch_size={PROMPTS}",
         "rollout.max_concurrent_rollouts=16", f"gconfig.n_samples={SAMPLES}",
-        f"actor.group_size={SAMPLES}", "gconfig.max_new_tokens=4",
+        "gconfig.max_new_tokens=4",
         "valid_dataset.options.size=16", "valid_dataset.batch_size=16", "evaluator.freq_steps=2",
         "actor.fsdp.param_dtype=float32", "server.dtype=float32", "stats_logger.print_every=1",
         "actor.dynamic_sampling=false",  # an untrained model scores 0: every group would drop
@@ -92,7 +92,7 @@ def async_run(tmp_path_factory, tiny_model_dir):
     root = str(tmp_path_factory.mktemp("e2e_async"))
     args = grpo_overrides(root, "async", tiny_model_dir, steps=3)
     args += [
-        "allocation_mode=local.d1p1t1+d2p1t1", "async_training=true",
+        "allocation_mode=local.d1p1t1+d2p1t1",
         f"rollout.max_head_offpolicyness={ETA}", "saver.freq_steps=2",
     ]  # fmt: skip
     out = launch("grpo.py", "arith_grpo.yaml", args)
@@ -118,7 +118,7 @@ def sync_run(tmp_path_factory, sft_run):
     model = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep4")
     args = grpo_overrides(root, "sync", model, steps=2)
     args += [
-        "allocation_mode=local.d1p1t1+d1p1t1", "async_training=false",
+        "allocation_mode=local.d1p1t1+d1p1t1",
         "rollout.max_head_offpolicyness=0",
     ]  # fmt: skip
     launch("grpo.py", "arith_grpo.yaml", args)

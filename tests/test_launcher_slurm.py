@@ -28,8 +28,8 @@ SETUP = os.path.join(ROOT, ".ci", "setup_slurm.sh")
 # The arithmetic GRPO example, 2 steps, shrunk to what 2 shared CPU cores run in seconds.
 GRPO_SMALL = [
     "total_train_steps=2", "train_dataset.batch_size=4", "train_dataset.options.size=64",
-    "rollout.consumer_batch_size=4", "rollout.max_concurrent_rollouts=8",
-    "gconfig.n_samples=2", "actor.group_size=2", "valid_dataset=null",
+    "rollout.max_concurrent_rollouts=8",
+    "gconfig.n_samples=2", "valid_dataset=null",
     "actor.dynamic_sampling=false",  # the untrained model scores 0: the filter would drop all
 ]  # fmt: skip
 

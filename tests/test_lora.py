@@ -250,7 +250,7 @@ def test_lora_grpo_runs_through_the_launcher(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
            "--config", "examples/configs/arith_grpo_lora.yaml", f"cluster.fileroot={tmp_path}",
            f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
-           "rollout.consumer_batch_size=4", "valid_dataset.options.size=4",
+           "valid_dataset.options.size=4",
            "evaluator.freq_steps=null"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -107,9 +107,9 @@ def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
            "--config", "examples/configs/arith_ppo.yaml", f"cluster.fileroot={tmp_path}",
            f"actor.path={tiny_model_dir}", f"critic.path={tiny_model_dir}",
-           "async_training=false", "rollout.max_head_offpolicyness=0", "total_train_steps=2",
+           "rollout.max_head_offpolicyness=0", "total_train_steps=2",
            "critic.warmup_steps=1",
-           "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
+           "train_dataset.batch_size=4",
            "valid_dataset.options.size=4", "evaluator.freq_steps=null"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)

@@ -219,8 +219,8 @@ def grpo_cmd(fileroot, model_dir, trial, extra=()):
     return launcher_cmd(
         "grpo.py", "arith_grpo.yaml", fileroot, trial,
         [f"actor.path={model_dir}", f"total_train_steps={GRPO_STEPS}", *ARITH,
-         "train_dataset.options.size=256", "train_dataset.batch_size=4", "rollout.consumer_batch_size=4",
-         "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4", "actor.group_size=4",
+         "train_dataset.options.size=256", "train_dataset.batch_size=4",
+         "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4",
          "gconfig.seed=7", "server.dtype=float32", "actor.fsdp.param_dtype=float32",
          "valid_dataset.options.size=8", "valid_dataset.batch_size=8", "recover.mode=auto",
          "recover.freq_steps=1", "recover.retries=2",
@@ -237,7 +237,7 @@ def sft_model(sft_reference) -> str:
 # logprobs, which vary by ~1e-7 with the server's batch composition, never reach a gradient.
 # (With the decoupled loss they do, and any two runs, interrupted or not, agree to ~1e-5.)
 SYNC = [
-    "async_training=false", "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
+    "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
     "actor.use_decoupled_loss=false",
 ]  # fmt: skip
 
@@ -312,7 +312,7 @@ def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
     queued, running and finished-but-unconsumed, then rerun. Every pulled item is trained on
     exactly once or still pending, none is skipped, and staleness stays <= eta after resume."""
     run_dir, log = tmp_path / "recover" / "async", tmp_path / "async.log"
-    extra = ["async_training=true", f"rollout.max_head_offpolicyness={ETA}",
+    extra = [f"rollout.max_head_offpolicyness={ETA}",
              f"total_train_steps={ASYNC_STEPS}", "actor.use_decoupled_loss=true"]  # fmt: skip
     cmd = grpo_cmd(tmp_path, sft_model(sft_reference), "async", extra)
     proc = start(cmd, log)

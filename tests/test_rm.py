@@ -178,7 +178,7 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     grpo = os.path.join(REPO, "examples", "configs", "arith_grpo.yaml")
     launch("grpo.py", grpo, f"actor.path={tiny_model_dir}", f"cluster.fileroot={root}",
            f"reward={rm_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
-           "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "actor.group_size=4",
+           "gconfig.n_samples=4",
            "train_dataset.options.n_operands=2", "valid_dataset.options.size=8",
            "valid_dataset.options.n_operands=2", "evaluator.freq_steps=null",
            "eval_reward=arith")  # fmt: skip

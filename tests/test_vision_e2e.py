@@ -203,8 +203,8 @@ def test_grpo_through_the_launcher_from_the_sft_export(sft_run, tmp_path):
     launch("grpo.py", "clevr_count_70k_grpo.yaml", [
         f"cluster.fileroot={tmp_path}", "experiment_name=vgrpo", "trial_name=t",
         f"actor.path={export}", "total_train_steps=2", "train_dataset.options.size=16",
-        "train_dataset.batch_size=2", "rollout.consumer_batch_size=2", "gconfig.n_samples=2",
-        "actor.group_size=2", "gconfig.max_new_tokens=4", "valid_dataset.options.size=4",
+        "train_dataset.batch_size=2", "gconfig.n_samples=2",
+        "gconfig.max_new_tokens=4", "valid_dataset.options.size=4",
         "valid_dataset.batch_size=4", "evaluator.freq_steps=2",
     ])  # fmt: skip
     run_dir = os.path.join(tmp_path, "vgrpo", "t")

@@ -89,9 +89,9 @@ def test_grpo_through_the_launcher_with_the_distributed_update(tmp_path, tiny_mo
     args = [
         "cluster.fileroot=" + str(tmp_path), "experiment_name=e2e-grpo", "trial_name=dist",
         f"actor.path={tiny_model_dir}", "total_train_steps=2", "weight_update=distributed",
-        "allocation_mode=local.d1p1t1+d2p1t1", "async_training=false",
+        "allocation_mode=local.d1p1t1+d2p1t1",
         "rollout.max_head_offpolicyness=0", "train_dataset.batch_size=4",
-        "rollout.consumer_batch_size=4", "gconfig.n_samples=2", "actor.group_size=2",
+        "gconfig.n_samples=2",
         "gconfig.max_new_tokens=4", "valid_dataset=null", "actor.fsdp.param_dtype=float32",
         "server.dtype=float32", "actor.weight_update_bucket_mb=1",
     ]  # fmt: skip

@@ -19,7 +19,13 @@ from typing import Any, Literal, Optional
 from omegaconf import MISSING
 
 from arealite.api.agent_config import AgentConfig
-from arealite.api.config_loader import ConfigBase, ConfigError, load_expr_config, to_yaml
+from arealite.api.config_loader import (
+    ConfigBase,
+    ConfigError,
+    derived_from,
+    load_expr_config,
+    to_yaml,
+)
 from arealite.api.config_loader import help_text as _help
 from arealite.api.data_config import (
     DatasetConfig,
@@ -98,9 +104,9 @@ class InferenceEngineConfig(ConfigBase):
     )
     consumer_batch_size: Optional[int] = field(
         default=None,
-        metadata=_help(
-            "Prompts (groups of gconfig.n_samples episodes) per training batch; null = "
-            "train_dataset.batch_size (if set, it must equal it)."
+        metadata=derived_from(
+            "train_dataset.batch_size",
+            "Prompts (groups of gconfig.n_samples episodes) per training batch.",
         ),
     )
     max_head_offpolicyness: int = field(
@@ -229,10 +235,6 @@ class SFTConfig(BaseExperimentConfig):
 @dataclass
 class GRPOConfig(BaseExperimentConfig):
     allocation_mode: str = "local.d1p1t1+d1p1t1"
-    async_training: bool = field(
-        default=True,
-        metadata=_help("true: prepare_batch (eta from rollout); false: rollout_batch."),
-    )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
@@ -289,11 +291,9 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if not self.actor.path:
             raise ConfigError("actor.path is required (an HF model directory or hub id)")
-        if self.gconfig.n_samples != self.actor.group_size:
-            raise ConfigError(
-                f"gconfig.n_samples ({self.gconfig.n_samples}) must equal actor.group_size "
-                f"({self.actor.group_size}): advantages are normalised per group of samples"
-            )
+        # One key per fact: the derived keys follow the user's (config_loader.derived_from).
+        self.actor.group_size = self.gconfig.n_samples  # advantages: per group of samples
+        self.rollout.consumer_batch_size = self.train_dataset.batch_size  # prompts per step
         if self.actor.preset == "ppo" and self.critic is None:
             raise ConfigError("actor.preset=ppo needs a value model: set critic.path")
         if self.critic is not None and self.actor.group_reward_mean_level == "group":
@@ -307,26 +307,7 @@ class GRPOConfig(BaseExperimentConfig):
                 f"critic.warmup_steps={self.critic.warmup_steps} >= total_train_steps={steps}: "
                 "the actor would never train"
             )
-        self._check_consumer_batch_size()
         if self.actor.kl_ctl > 0 and self.ref is None:
             raise ConfigError("actor.kl_ctl > 0 needs a reference model: set ref.path")
-        if not self.async_training and self.rollout.max_head_offpolicyness != 0:
-            raise ConfigError(
-                "async_training=false is synchronous RL: rollout.max_head_offpolicyness must be 0"
-            )
         if not self.server.model_path:
             self.server.model_path = self.actor.path
-
-    def _check_consumer_batch_size(self) -> None:
-        """One training step consumes one batch of prompts: the rollout side counts it as
-        rollout.consumer_batch_size, the data side as train_dataset.batch_size."""
-        rollout, data = self.rollout, self.train_dataset.batch_size
-        if rollout.consumer_batch_size is None:
-            rollout.consumer_batch_size = data
-        elif rollout.consumer_batch_size != data:
-            raise ConfigError(
-                f"rollout.consumer_batch_size={rollout.consumer_batch_size} but "
-                f"train_dataset.batch_size={data}: a training step consumes one batch of prompts; "
-                "set them equal, or leave rollout.consumer_batch_size unset (it follows "
-                "train_dataset.batch_size)"
-            )

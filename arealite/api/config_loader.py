@@ -44,6 +44,21 @@ def help_text(text: str) -> dict:
     return {"help": text}
 
 
+def derived_from(source: str, text: str) -> dict:
+    """`field(metadata=derived_from("gconfig.n_samples", ...))`: a field that the experiment
+    config sets from the user's key `source` in its `__post_init__` (one key per fact). It is
+    no key of the YAML or the command line (setting it is a ConfigError naming `source`), and
+    `to_yaml` leaves it out, so a written config loads again."""
+    return {"help": f"{text} Derived: set from {source}.", "derived_from": source}
+
+
+# Keys that were the user's once and are no more: key -> what to set instead.
+RENAMED_KEYS: dict[str, str] = {
+    "async_training": "rollout.max_head_offpolicyness (0 = synchronous RL, > 0 = asynchronous "
+    "with that staleness bound)",
+}
+
+
 @dataclasses.dataclass
 class ConfigBase:
     """Base of every config dataclass: its `Literal[...]` fields are its choices, and the allowed
@@ -67,12 +82,25 @@ def check_choices(config: Any) -> None:
             raise choice_error(f"{type(config).__name__}.{f.name}", value, allowed)
 
 
+def _derived_keys(cls: type, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> its source key, of every `derived_from` field of a config dataclass."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        key, sub = f"{prefix}{f.name}", _dataclass_in(hints[f.name])
+        if "derived_from" in f.metadata:
+            out[key] = f.metadata["derived_from"]
+        elif sub is not None:
+            out.update(_derived_keys(sub, key + "."))
+    return out
+
+
 def _valid_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of a config dataclass, including keys inside Optional sub-configs."""
+    """Every dotted key of a config dataclass, including keys inside Optional sub-configs
+    (not the derived ones)."""
     hints = typing.get_type_hints(cls)
     keys = []
     for f in dataclasses.fields(cls):
-        if f.name.startswith("_"):
+        if f.name.startswith("_") or "derived_from" in f.metadata:
             continue
         key = f"{prefix}{f.name}"
         keys.append(key)
@@ -135,7 +163,13 @@ def _check_keys(user_keys: list[str], config_cls: type, source: str) -> None:
     valid = _valid_keys(config_cls)
     valid_set = set(valid)
     free = tuple(k + "." for k in _free_form_keys(config_cls))
+    renamed = {**RENAMED_KEYS, **_derived_keys(config_cls)}
     for key in user_keys:
+        if key in renamed:
+            raise ConfigError(
+                f"Config key {key!r} (from {source}) is no longer set by the user: set "
+                f"{renamed[key]} instead"
+            )
         if key not in valid_set and not key.startswith(free):
             hint = _suggest(key, valid)
             msg = f"Unknown config key {key!r} (from {source})"
@@ -235,8 +269,17 @@ def _type_error_message(e: ValidationError, config_cls: type) -> str:
 
 
 def to_yaml(config: Any) -> str:
-    """The resolved config as YAML (written next to every run's logs)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The resolved config as YAML (written next to every run's logs), without the derived
+    keys, so that it loads again."""
+    tree = OmegaConf.to_container(OmegaConf.structured(config))
+    for key in _derived_keys(type(config)):
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return OmegaConf.to_yaml(tree)
 
 
 # ----------------------------------------------------------------------------- --help
@@ -282,7 +325,7 @@ def _help_lines(cls: type, prefix: str, sections: dict[str, list[str]], section:
     top-level sub-config (scalars at the top level go to 'general')."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name.startswith("_"):
+        if f.name.startswith("_") or "derived_from" in f.metadata:
             continue
         key, hint, text = prefix + f.name, hints[f.name], f.metadata.get("help", "")
         sub = _dataclass_in(hint)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from arealite.api.config_loader import ConfigBase, ConfigError
+from arealite.api.config_loader import ConfigBase, ConfigError, derived_from
 from arealite.api.config_loader import help_text as _help
 from arealite.api.lora_config import LoRAConfig
 from arealite.api.presets import PresetName
@@ -130,7 +130,9 @@ class PPOActorConfig(TrainEngineConfig):
             "Explicit fields in the YAML still win."
         ),
     )
-    group_size: int = field(default=1, metadata=_help("Samples per prompt (GRPO group)."))
+    group_size: int = field(
+        default=1, metadata=derived_from("gconfig.n_samples", "Samples per prompt (GRPO group).")
+    )
     ppo_n_minibatches: int = field(default=1, metadata=_help("Optimizer steps per batch."))
     temperature: float = field(default=1.0, metadata=_help("Sampling temperature (logprobs)."))
     eps_clip: float = field(default=0.2, metadata=_help("PPO clip epsilon (lower)."))
