@@ -1,4 +1,4 @@
-"""arealite.engine.ppo.functional against slow per-token Python references (float64, 1e-6).
+"""arealite.engine.ppo.advantages / losses against slow per-token Python references (float64, 1e-6).
 
 Run as a script under torchrun this file is also the 2-rank worker of the distributed test.
 """
@@ -15,18 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arealite.engine.ppo.functional import (
+from arealite.engine.ppo.advantages import (
     compute_gae,
     compute_gae_packed,
     dynamic_sampling_mask,
     group_normalize,
-    kl_estimator,
     normalize_advantages,
     overlong_penalty,
-    ppo_actor_loss_fn,
-    ppo_critic_loss_fn,
     shape_rewards,
 )
+from arealite.engine.ppo.losses import kl_estimator, ppo_actor_loss_fn, ppo_critic_loss_fn
 from arealite.engine.ppo.masked_stats import (
     masked_mean,
     masked_normalization,

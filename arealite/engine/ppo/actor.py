@@ -23,16 +23,15 @@ from arealite.api.cli_args import PPOActorConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.packing import packed_logprobs, target_mask
-from arealite.engine.ppo.functional import (
+from arealite.engine.ppo.advantages import (
     compute_gae,
     dynamic_sampling_mask,
     group_normalize,
-    kl_estimator,
     normalize_advantages,
     overlong_penalty,
-    ppo_actor_loss_fn,
     shape_rewards,
 )
+from arealite.engine.ppo.losses import kl_estimator, ppo_actor_loss_fn
 from arealite.engine.ppo.masked_stats import masked_mean
 from arealite.utils import distributed as du
 from arealite.utils.data import split_padded_tensor_dict

@@ -16,7 +16,7 @@ from arealite.api.cli_args import PPOCriticConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.packing import shift_right_packed, target_mask
-from arealite.engine.ppo.functional import ppo_critic_loss_fn
+from arealite.engine.ppo.losses import ppo_critic_loss_fn
 from arealite.utils import distributed as du
 from arealite.utils.data import split_padded_tensor_dict
 
