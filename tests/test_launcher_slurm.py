@@ -18,7 +18,8 @@ import pytest
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
 from arealite.launcher.preflight import plan_cluster
-from arealite.launcher.slurm import node_address, servers_script, trainer_script
+from arealite.launcher.slurm_node import node_address
+from arealite.launcher.slurm_scripts import servers_script, trainer_script
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)

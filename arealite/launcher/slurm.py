@@ -15,25 +15,22 @@ It follows both jobs (squeue, then scontrol/sacct for the final state), streams 
 to this terminal, and cancels every job (scancel) when the trainer finishes, when any job fails
 (exiting non-zero naming it) and on Ctrl-C. `<run_dir>` must be on a filesystem every node sees.
 Cluster options come from `launcher.slurm` (partition, account, time, container_image,
-extra_srun_args).
+extra_srun_args). The job scripts are written by `slurm_scripts.py`; what runs on the node
+(`register-and-run`) is `slurm_node.py`; this module submits, follows and cancels.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 
-from arealite.api.cli_args import NameResolveConfig, to_yaml
-from arealite.launcher.local import failed_ranks_summary, trainer_env
+from arealite.api.cli_args import to_yaml
+from arealite.launcher.local import failed_ranks_summary
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
 from arealite.launcher.process import (
     LaunchError,
@@ -42,149 +39,16 @@ from arealite.launcher.process import (
     log_tail,
     run_launcher,
 )
-from arealite.launcher.servers import (
-    server_command,
-    share_server_api_key,
-    wait_healthy,
-    weight_roots,
-)
-from arealite.utils.lifeline import (
-    LAUNCHER_HEARTBEAT_ENV,
-    HeartbeatWriter,
-    die_with_parent,
-    watch_parent,
-)
-from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
-from arealite.utils.network import find_free_port
+from arealite.launcher.servers import share_server_api_key
+from arealite.launcher.slurm_node import register_and_run
+from arealite.launcher.slurm_scripts import servers_script, trainer_script
+from arealite.utils.lifeline import LAUNCHER_HEARTBEAT_ENV, HeartbeatWriter
+from arealite.utils.name_resolve import make_repository, servers_root, trial_root
 
 logger = logging.getLogger("arealite.launcher")
 
-# Placeholders in a server command line, filled in on the node by `register-and-run`.
-HOST, PORT = "{host}", "{port}"
 ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED")
-SERVER_KEEPALIVE_TTL = 30.0
 POLL = 1.0
-
-
-# ---------------------------------------------------------------------------- sbatch scripts
-
-
-def _header(config, name: str, nodes: int, log: str, gres: int) -> list[str]:
-    s = config.launcher.slurm
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name=arealite-{config.experiment_name}-{config.trial_name}-{name}",
-        f"#SBATCH --output={log}",
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --time={s.time}",
-    ]
-    if gres:
-        lines.append(f"#SBATCH --gres=gpu:{gres}")
-    if s.partition:
-        lines.append(f"#SBATCH --partition={s.partition}")
-    if s.account:
-        lines.append(f"#SBATCH --account={s.account}")
-    return lines
-
-
-def _srun_options(config) -> list[str]:
-    s = config.launcher.slurm
-    opts = list(s.extra_srun_args)
-    if s.container_image:
-        cwd, root = os.getcwd(), os.path.abspath(config.cluster.fileroot)
-        opts += [
-            f"--container-image={s.container_image}",
-            f"--container-mounts={cwd}:{cwd},{root}:{root}",
-            f"--container-workdir={cwd}",
-        ]
-    return opts
-
-
-def _python(config) -> str:
-    """Inside a container the image's python; otherwise this one (shared filesystem)."""
-    return "python3" if config.launcher.slurm.container_image else sys.executable
-
-
-def _exports(env: dict[str, str]) -> list[str]:
-    return [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-
-
-def servers_script(config, plan: ClusterPlan, log_dir: str) -> str:
-    """One job, one step per server; the job ends (non-zero) as soon as any server step ends."""
-    alloc = config.allocation
-    tp = alloc.gen.tensor_parallel_size
-    multi_node = config.cluster.n_nodes > 1
-    host = "auto" if multi_node else config.server.host
-    nr = config.cluster.name_resolve
-    nr_root = nr.nfs_record_root or os.path.join(
-        os.path.abspath(config.cluster.fileroot), "name_resolve"
-    )
-    gres = min(alloc.gen_n_servers, plan.servers_per_node) * tp if plan.gpu else 0
-    lines = _header(config, "servers", plan.gen_nodes, f"{log_dir}/slurm-servers-%j.log", gres)
-    lines += [
-        f"#SBATCH --ntasks={alloc.gen_n_servers}",
-        f"#SBATCH --cpus-per-task={plan.cpus_per_server}",
-    ]
-    lines += ["set -u", f"cd {shlex.quote(os.getcwd())}"]
-    lines += _exports(dict(kv.split("=", 1) for kv in config.launcher.env_vars))
-    roots = weight_roots(config)
-    for i in range(alloc.gen_n_servers):
-        cmd, env = server_command(
-            alloc.gen_backend, config.server, HOST, PORT, tp, roots, on_gpu=plan.gpu
-        )  # HOST/PORT: placeholders, filled in on the node by register-and-run
-        cmd[0] = _python(config) if cmd[0] == sys.executable else cmd[0]
-        wrapper = [
-            _python(config), "-m", "arealite.launcher.slurm", "register-and-run",
-            "--key", server_key(config.experiment_name, config.trial_name, i),
-            "--name-resolve-type", nr.type, "--name-resolve-root", nr_root,
-            "--host", host, "--timeout", str(config.server.startup_timeout), "--",
-        ]  # fmt: skip
-        step = ["srun", "--exclusive", "--nodes=1", "--ntasks=1"]
-        step += [f"--cpus-per-task={plan.cpus_per_server}", f"--output={log_dir}/server{i}.log"]
-        step.append("--open-mode=append")
-        if plan.gpu:
-            step.append(f"--gres=gpu:{tp}")
-        step += _srun_options(config)
-        step += ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-        lines.append(shlex.join(step + wrapper + cmd) + " &")
-    lines += [
-        "wait -n",  # a server never ends by itself: the first step to end ends the job
-        "rc=$?",
-        'echo "a server step ended with code $rc; ending the servers job"',
-        "exit $(( rc == 0 ? 1 : rc ))",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def trainer_script(config, plan: ClusterPlan, log_dir: str, script, script_args, addrs) -> str:
-    """srun one torchrun per node; rendezvous (c10d) on the job's first node."""
-    gres = plan.ranks_per_node if plan.gpu else 0
-    lines = _header(config, "trainer", plan.train_nodes, f"{log_dir}/slurm-trainer-%j.log", gres)
-    lines += ["#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={plan.cpus_per_train_node}"]
-    lines += ["set -u", f"cd {shlex.quote(os.getcwd())}"]
-    lines += _exports(trainer_env(config, addrs))
-    py = _python(config)
-    port = config.launcher.trainer_port
-    free_port = 'from arealite.utils.network import find_free_port as f; print(f("0.0.0.0"))'
-    lines += [
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"MASTER_PORT={port}"
-        if port
-        else f"MASTER_PORT=$({shlex.quote(py)} -c {shlex.quote(free_port)})",
-    ]
-    step = ["srun", "--kill-on-bad-exit=1", f"--nodes={plan.train_nodes}", "--ntasks-per-node=1"]
-    step += [f"--cpus-per-task={plan.cpus_per_train_node}", f"--output={log_dir}/trainer.log"]
-    step.append("--open-mode=append")  # logs accumulate across runs of a trial, as locally
-    step += _srun_options(config)
-    torchrun = [
-        py, "-m", "torch.distributed.run",
-        "--nnodes", str(plan.train_nodes), "--nproc-per-node", str(plan.ranks_per_node),
-        "--rdzv-backend", "c10d",
-    ]  # fmt: skip
-    rdzv = '--rdzv-id "arealite-$SLURM_JOB_ID" --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
-    user = shlex.join([os.path.abspath(script), *script_args])
-    lines.append(f"{shlex.join(step + torchrun)} {rdzv} {user}")
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- Slurm commands
@@ -362,73 +226,6 @@ def run(argv: list[str]) -> int:
     finally:
         job.cancel_all()
         heartbeat.stop()
-
-
-# ---------------------------------------------------------------------------- on the node
-
-
-def node_address() -> str:
-    """This node's address as other nodes reach it: the source address of its default route
-    (a UDP connect sends nothing), else what its hostname resolves to (Debian maps the
-    hostname to 127.0.1.1, hence not first)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            ip = s.getsockname()[0]
-        if not ip.startswith("127."):
-            return ip
-    except OSError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-def register_and_run(argv: list[str]) -> int:
-    """Run a server command on this node: fill in host/port, wait for health, register the
-    address in name_resolve, then live as long as the server (forwarding SIGTERM to it)."""
-    p = argparse.ArgumentParser(prog="python -m arealite.launcher.slurm register-and-run")
-    p.add_argument("--key", required=True)
-    p.add_argument("--name-resolve-type", default="nfs")
-    p.add_argument("--name-resolve-root", default="")
-    p.add_argument("--host", default="auto", help="bind address; auto = this node's address")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not cmd:
-        p.error("missing the server command after --")
-    host = node_address() if args.host == "auto" else args.host
-    port = find_free_port(host)
-    cmd = [a.replace(HOST, host).replace(PORT, str(port)) for a in cmd]
-    address = f"{host}:{port}"
-    print(f"[register-and-run] starting {shlex.join(cmd)}", flush=True)
-    child = subprocess.Popen(cmd, preexec_fn=die_with_parent)
-    watch_parent()  # the launcher's heartbeat: a killed launcher ends this server too
-
-    def forward(signum, frame):
-        child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    if not wait_healthy(address, args.timeout, lambda: child.poll() is None):
-        why = f"exited with code {child.returncode}" if child.poll() is not None else "timed out"
-        print(
-            f"[register-and-run] server at {address} failed before becoming healthy ({why})",
-            flush=True,
-        )
-        child.kill()
-        child.wait()
-        return 1
-    nr_config = NameResolveConfig(
-        type=args.name_resolve_type, nfs_record_root=args.name_resolve_root
-    )
-    repo = make_repository(nr_config, "")
-    repo.add(
-        args.key, address, replace=True, delete_on_exit=True, keepalive_ttl=SERVER_KEEPALIVE_TTL
-    )
-    print(f"[register-and-run] {address} healthy, registered as {args.key}", flush=True)
-    rc = child.wait()
-    print(f"[register-and-run] server exited with code {rc}", flush=True)
-    return rc
 
 
 def main(argv: list[str] | None = None) -> None:
