@@ -23,15 +23,13 @@ from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, Mode
 from arealite.utils.openai_chat import (
     ChatRequest,
     ChatRequestError,
-    build_choice,
-    completion_body,
-    completion_chunks,
     encode_text,
     normalize_message,
     parse_chat_request,
     render_prompt,
     tool_parser_for,
 )
+from arealite.utils.openai_chat_response import build_choice, completion_body, completion_chunks
 
 # openai-python call options that are not part of the request body.
 _CALL_OPTIONS = ("extra_headers", "extra_query", "timeout")

@@ -23,18 +23,20 @@ from arealite.server.scheduler import Scheduler
 from arealite.utils.openai_chat import (
     ChatRequest,
     ChatRequestError,
+    encode_text,
+    parse_chat_request,
+    render_prompt,
+    tool_parser_for,
+)
+from arealite.utils.openai_chat_response import (
     build_choice,
     chunk_body,
     completion_body,
     completion_chunks,
     cut_at_stop,
     delta_choice,
-    encode_text,
     error_body,
-    parse_chat_request,
-    render_prompt,
     sse_event,
-    tool_parser_for,
 )
 
 logger = logging.getLogger("arealite.server")
