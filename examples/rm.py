@@ -13,15 +13,11 @@ critic, reward models, LoRA").
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoTokenizer
 
 from arealite.api.cli_args import load_expr_config
-from arealite.api.io_struct import FinetuneSpec
 from arealite.api.rm_config import BUILTIN_PREFERENCES, LM_HEADS, RMConfig
 from arealite.engine.rm.implicit import FSDPImplicitRewardModel
 from arealite.engine.rm.preference_data import (
@@ -32,12 +28,7 @@ from arealite.engine.rm.preference_data import (
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.reward.arith import arith_reward_fn
-from arealite.trainer.evaluator import Evaluator
-from arealite.trainer.recover import RecoverHandler, ResumableSampler
-from arealite.trainer.saver import Saver
-from arealite.trainer.stats_logger import StatsLogger
-from arealite.utils import stats_tracker
-from arealite.utils.run_lock import claim_run_dir
+from arealite.trainer.supervised import rank_loader, start_run, train_supervised
 
 
 def is_correct_sum(answer_text: str, row: dict) -> bool:
@@ -61,19 +52,15 @@ def pair_loader(cfg, rank, world, tokenizer, seed, shuffle=None, reference=None)
     rows = preference_rows(cfg)[rank::world]  # each rank its own share of the pairs
     if reference is not None:  # the implicit head: the frozen reference's scores, once per row
         rows = with_reference_scores(rows, reference, tokenizer)
-    order = ResumableSampler(len(rows), cfg.shuffle if shuffle is None else shuffle, seed)
-    return StatefulDataLoader(
-        rows, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last, sampler=order,
-        collate_fn=lambda batch: collate_pairs(tokenizer, batch),
-    )  # fmt: skip
+    return rank_loader(
+        cfg, rows, world, seed, lambda batch: collate_pairs(tokenizer, batch), shuffle
+    )
 
 
 def main(argv: list[str]) -> None:
     config = load_expr_config(argv, RMConfig)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    claim_run_dir(config.run_dir, rank)
+    rank, world = start_run(config)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.model.path)
-    torch.manual_seed(config.seed)
     lm_head = config.model.head in LM_HEADS
     engine = (FSDPImplicitRewardModel if lm_head else FSDPRewardModel)(config.model)
     ref = engine.reference_path if lm_head else None
@@ -82,50 +69,17 @@ def main(argv: list[str]) -> None:
     valid = None
     if config.valid_dataset is not None:
         valid = pair_loader(config.valid_dataset, rank, world, tokenizer, 0, False, ref)
-    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
-                           config.train_dataset.batch_size)  # fmt: skip
-    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
-
-    engine.initialize(None, ft_spec)
-    saver = Saver(config.saver, ft_spec, config.run_dir)
-    evaluator = Evaluator(config.evaluator, ft_spec)
-    states = {"model": engine, "dataloader": train_loader, "saver": saver, "evaluator": evaluator}
-    recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
-    start = recover.load()
-    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
-                         total_steps=total_steps, exp_config=config)  # fmt: skip
 
     def held_out_accuracy() -> float:
         stats = [engine.evaluate_rm(b) for b in valid]
         return sum(s["accuracy"] * s["n_pairs"] for s in stats) / sum(s["n_pairs"] for s in stats)
 
-    data_iter = iter(train_loader)
-    for global_step in range(start, total_steps):
-        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
-        try:
-            batch = next(data_iter)
-        except StopIteration:
-            data_iter = iter(train_loader)
-            batch = next(data_iter)
-        with stats_tracker.record_timing("train_step"):
-            stats = engine.train_rm(batch)
-            engine.step_lr_scheduler()
-        engine.set_version(global_step + 1)
-        saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
-        if valid is not None:
-            last = global_step == total_steps - 1
-            acc = evaluator.evaluate(held_out_accuracy, epoch, step, global_step, force=last)
-            if acc is not None:
-                stats["eval/pair_accuracy"] = acc
-        stats.update(stats_tracker.export())
-        logger.commit(epoch, step, global_step, stats)
-        recover.dump(global_step + 1)
-
-    saver.save(engine, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
-    summary = logger.close()
+    summary = train_supervised(
+        config, engine, tokenizer, train_loader, engine.train_rm,
+        held_out_accuracy if valid is not None else None, "eval/pair_accuracy", eval_last=True,
+    )  # fmt: skip
     if summary and valid is not None:
         print(f"held-out pair accuracy: {summary['last'].get('eval/pair_accuracy')}", flush=True)
-    engine.destroy()
 
 
 if __name__ == "__main__":
