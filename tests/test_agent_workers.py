@@ -113,7 +113,7 @@ def test_example_agent_trains_from_config_alone(tmp_path, executor, tokenizer):
 
 
 def test_crash_and_garbage_are_dropped_counted_and_the_run_goes_on(executor, tokenizer, tmp_path):
-    from arealite.utils.reward_pool import RewardPool
+    from arealite.reward.pool import RewardPool
 
     script = tmp_path / "faulty_agent.py"
     script.write_text(FAULTY_AGENT)

@@ -455,7 +455,7 @@ def test_reward_nan_raise_and_garbage_score_zero_and_are_counted():
 
     import workflow_rewards as rewards
 
-    from arealite.utils.reward_pool import RewardPool
+    from arealite.reward.pool import RewardPool
 
     pool = RewardPool(rewards.echo_row, max_workers=1, timeout=30)
     targets = [float("nan"), float("inf"), "abc", None, 0.5]

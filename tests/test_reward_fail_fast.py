@@ -10,8 +10,8 @@ import pytest
 import workflow_rewards
 
 from arealite.api.cli_args import ConfigError, InferenceEngineConfig
+from arealite.reward.pool import RewardPool
 from arealite.utils.reward_errors import FailFast, RewardErrors, RewardFailFastError
-from arealite.utils.reward_pool import RewardPool
 
 
 def _boom(i: int) -> ValueError:

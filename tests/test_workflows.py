@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.inference.sglang_remote import RemoteSGLangEngine
+from arealite.reward.pool import RewardPool
 from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
-from arealite.utils.reward_pool import RewardPool
 from arealite.workflow.multi_turn import MultiTurnWorkflow
 from arealite.workflow.rlvr import RLVRWorkflow
 

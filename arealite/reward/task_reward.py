@@ -11,8 +11,8 @@ import asyncio
 from typing import Any
 
 from arealite.api.reward_api import ContractReward, reward_specs
+from arealite.reward.pool import RewardPool
 from arealite.utils.reward_errors import FailFast
-from arealite.utils.reward_pool import RewardPool
 
 COUNTERS = ("calls", "ok", "timeouts", "errors")
 

@@ -19,8 +19,8 @@ from tensordict import TensorDict
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest
 from arealite.api.workflow_api import RolloutWorkflow
+from arealite.reward.pool import RewardPool
 from arealite.utils.data import pad_sequences_to_tensors
-from arealite.utils.reward_pool import RewardPool
 from arealite.workflow.rlvr import chat_prompt_ids, reward_row, trajectory
 
 DEFAULT_FEEDBACK = (

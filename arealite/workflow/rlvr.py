@@ -20,8 +20,8 @@ from tensordict import TensorDict
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
 from arealite.api.workflow_api import RolloutWorkflow
+from arealite.reward.pool import RewardPool
 from arealite.utils.data import pad_sequences_to_tensors
-from arealite.utils.reward_pool import RewardPool
 
 # Keyword arguments the workflow passes to reward_fn itself; same-named data fields are dropped.
 REWARD_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")

@@ -18,8 +18,8 @@ from tensordict import TensorDict
 
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
+from arealite.reward.pool import RewardPool
 from arealite.utils.data import stack_non_tensor
-from arealite.utils.reward_pool import RewardPool
 from arealite.utils.vision import MM_KEY, decode_image, empty_mm_input, image_to_base64
 from arealite.workflow.rlvr import RLVRWorkflow
 
