@@ -16,6 +16,7 @@ def cpu_with(monkeypatch):
 
     def set_flags(*flags):
         monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(["avx2", "fma", *flags]))
+        monkeypatch.setattr(hardware, "_isa_cap", lambda: "")  # torch/oneDNN not capped
         monkeypatch.setattr(hardware, "_logged", set())
 
     return set_flags
@@ -37,6 +38,23 @@ def test_auto_is_fp32_on_an_avx2_only_cpu(cpu_with, caplog):
     assert len(said) == 1, "logged once, not per call"
     assert "float32" in said[0] and "avx512_bf16" in said[0]
     assert server_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("capability", "onednn", "cap"),
+    [("AVX2", "", "ATEN_CPU_CAPABILITY"), ("AVX512", "AVX2", "ONEDNN_MAX_CPU_ISA=AVX2")],
+)
+def test_capped_isa_emulates_bf16_so_auto_is_fp32(monkeypatch, capability, onednn, cap):
+    """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 make an AMX CPU an AVX2 one (measured:
+    bf16 matmul 1230 -> 2.4 GFLOP/s): `auto` must follow what torch will really run."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(["avx2", "amx_bf16"]))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
+    native, why = hardware.native_bf16("cpu")
+    assert not native and cap in why
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert hardware.native_bf16("cpu")[0]
 
 
 @pytest.mark.parametrize("explicit", ["float32", "bfloat16", "float16"])

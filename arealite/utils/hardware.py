@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 
 logger = logging.getLogger("arealite.hardware")
@@ -67,9 +68,31 @@ def native_bf16(device_type: str, cuda_capability: tuple[int, int] | None = None
             f"CUDA capability {cuda_capability[0]}.{cuda_capability[1]} ({'>=' if ok else '<'} 8.0)",
         )
     found = [f for f in _CPU_BF16_FLAGS if f in cpu_flags()]
-    if found:
-        return True, f"CPU has {'/'.join(found)}"
-    return False, "CPU has no avx512_bf16/amx_bf16 (bf16 would be emulated, ~50x slower than fp32)"
+    if not found:
+        return (
+            False,
+            "CPU has no avx512_bf16/amx_bf16 (bf16 would be emulated, ~50x slower than fp32)",
+        )
+    capped = _isa_cap()
+    if capped:
+        return False, f"CPU has {'/'.join(found)} but {capped} (bf16 would be emulated)"
+    return True, f"CPU has {'/'.join(found)}"
+
+
+def _isa_cap() -> str:
+    """Why torch may not use the CPU's bf16 instructions although it has them: kernels capped
+    below AVX512 (ATEN_CPU_CAPABILITY) or oneDNN's matmuls capped (ONEDNN_MAX_CPU_ISA). Both
+    caps together make a native-bf16 CPU behave as an AVX2-only one (how the suite is checked
+    for AVX2 machines on this one); '' when nothing is capped."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return f"torch's CPU kernels are capped at {capability} (ATEN_CPU_CAPABILITY)"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
+    if onednn and onednn != "all" and "bf16" not in onednn and "amx" not in onednn:
+        return f"oneDNN is capped at ONEDNN_MAX_CPU_ISA={onednn.upper()}"
+    return ""
 
 
 _logged: set[tuple[str, str, str]] = set()
