@@ -227,6 +227,23 @@ def test_no_task_within_wait_is_204_and_the_sdk_gets_an_empty_body(tokenizer):
         proxy.stop()
 
 
+def test_an_agent_that_never_works_stops_the_run_with_its_reason(executor, tokenizer, tmp_path):
+    """Every copy dies on import: after 2 x workers lost sessions the rollout raises, naming the
+    command and the agent's last stderr line, instead of training on nothing."""
+    script = tmp_path / "broken_agent.py"
+    script.write_text("import no_such_agent_module\n")
+    route = AgentRoute(AgentConfig(command=f"python {script}", workers=2), tokenizer)
+    try:
+        wf = route(None, GenerationHyperparameters(n_samples=2, max_new_tokens=3), tokenizer)
+        assert route.workers.argv[0] == sys.executable  # `python` is this interpreter
+        with pytest.raises(Exception, match="finished none") as err:
+            executor.rollout_batch(rows(4), wf)
+        said = "".join(str(e) for e in (err.value, err.value.__cause__) if e)
+        assert "No module named 'no_such_agent_module'" in said and str(script) in said
+    finally:
+        route.close()
+
+
 def test_agent_config_errors_are_clear():
     from arealite.api.cli_args import ConfigError
 

@@ -116,6 +116,8 @@ class ProxyWorkflow(RolloutWorkflow):
             for task in tasks:
                 self.proxy.withdraw(task)
             raise
+        if self.proxy.fatal is not None:
+            raise self.proxy.fatal
         if any(r is None for r in rows):
             return None
         return rows[0] if len(rows) == 1 else concat_padded_tensors(list(rows))
@@ -143,6 +145,7 @@ class AgentProxy:
         self.turn_discount = turn_discount
         self.tool_parser = tool_parser
         self.stats: Counter[str] = Counter()
+        self.fatal: Exception | None = None  # set when the agent can never work: episodes raise it
         self.workflow = self.workflow_for(gconfig)
         self._aliases: dict[str, tuple[str, str | None]] = {}  # worker id -> (key, session id)
         self._tasks: deque[_Task] = deque()

@@ -8,10 +8,15 @@ against the row. A worker's environment holds `OPENAI_BASE_URL` / `OPENAI_API_KE
 point at the session it is serving, so an agent that does one task at a time can use
 `openai.OpenAI()` as is. Keys travel in the environment and on stdin, never on a command line.
 
-Faults never stop the run: a worker that exits mid-session, answers something other than a JSON
-object, or stays silent past `session_timeout` has its session dropped (the GRPO group is
+Faults do not stop the run: a worker that exits mid-session, answers something other than a
+JSON object, or stays silent past `session_timeout` has its session dropped (the GRPO group is
 rejected), is counted in the proxy's stats (agent_exited / agent_bad_reply / agent_timeout)
-with a logged reason, and is restarted for the next task.
+with a logged reason and the last line of its stderr, and is restarted for the next task. An
+agent that never works (its first `2 x agent.workers` sessions all lost, none finished: a missing
+module, a wrong path) stops the run with that reason instead of training on nothing.
+
+A leading `python` / `python3` in `agent.command` is the interpreter running the trainer (its
+virtual environment), not whatever `python` is first on PATH.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import math
 import os
 import secrets
 import shlex
+import sys
+from collections import deque
 from typing import Any
 
 from arealite.api.agent_config import AgentConfig
@@ -61,12 +68,21 @@ def parse_reply(line: bytes) -> float | None:
     return float(r)
 
 
+def agent_argv(command: str) -> list[str]:
+    """`agent.command` split as a shell would, `python` meaning this interpreter."""
+    argv = shlex.split(command)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
 class _Worker:
     """One copy of the agent program and the session it serves."""
 
     def __init__(self, index: int, proxy: Any):
         self.index, self.proxy, self.proc = index, proxy, None
         self.alias, self.key = f"worker{index}-{secrets.token_hex(6)}", secrets.token_urlsafe(24)
+        self.stderr_tail: deque[str] = deque(maxlen=5)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "OPENAI_BASE_URL": f"{self.proxy.url}/sessions/{self.alias}/v1",
@@ -78,8 +94,20 @@ class _Worker:
         self.proxy.stats["agent_restarts" if self.proc is not None else "agent_starts"] += 1
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=self.env(), cwd=cwd, limit=64 * 1024**2,
+            stderr=asyncio.subprocess.PIPE, env=self.env(), cwd=cwd, limit=64 * 1024**2,
         )  # fmt: skip
+        asyncio.ensure_future(self._relay_stderr(self.proc))
+
+    async def _relay_stderr(self, proc: Any) -> None:
+        """The agent's stderr goes on to ours, prefixed; its last lines explain a crash."""
+        while line := await proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip()
+            self.stderr_tail.append(text)
+            print(f"[agent {self.index}] {text}", file=sys.stderr, flush=True)
+
+    def last_words(self) -> str:
+        said = [t for t in self.stderr_tail if t.strip()]
+        return f"; its stderr ended with: {said[-1].strip()[:300]}" if said else ""
 
     async def ask(self, s: Any, timeout: float) -> float | None:
         """Hand session `s` over and wait for the answer line."""
@@ -95,7 +123,10 @@ class _Worker:
             raise AgentFault("agent_timeout", f"no answer within {timeout:.0f}s") from None
         if not line:
             code = await self.proc.wait()
-            raise AgentFault("agent_exited", f"exited with code {code} mid-session")
+            await asyncio.sleep(0.05)  # let the stderr relay read the last lines
+            raise AgentFault(
+                "agent_exited", f"exited with code {code} mid-session{self.last_words()}"
+            )
         return parse_reply(line)
 
     async def kill(self, grace: float = 3.0) -> None:
@@ -115,9 +146,10 @@ class AgentWorkers:
 
     def __init__(self, proxy: Any, config: AgentConfig, tokenizer: Any, cwd: str | None = None):
         self.proxy, self.config, self.tokenizer, self.cwd = proxy, config, tokenizer, cwd
-        self.argv = shlex.split(config.command)
+        self.argv = agent_argv(config.command)
         self.workers = [_Worker(i, proxy) for i in range(config.workers)]
         self._futures: list = []
+        self._lost_before_any_finished = 0
 
     def start(self) -> None:
         loop = self.proxy.loop
@@ -150,16 +182,30 @@ class AgentWorkers:
                 logger.error("agent worker %d (`%s`): %s; session %s dropped%s", w.index,
                              self.config.command, e, s.id,
                              ", worker restarted" if e.restart else "")  # fmt: skip
+                self._check_it_ever_works(e)
                 self.proxy.drop(s, None)
                 if e.restart:
                     await w.kill(grace=0.5)
             except OSError as e:  # the command itself cannot start: say so, keep serving
                 self.proxy.stats["agent_start_failed"] += 1
                 logger.error("agent command %r failed to start: %s", self.config.command, e)
+                self._check_it_ever_works(AgentFault("agent_start_failed", f"cannot start: {e}"))
                 self.proxy.drop(s, None)
                 await asyncio.sleep(1.0)
             finally:
                 self.proxy.bind(w.alias, w.key, None)
+
+    def _check_it_ever_works(self, fault: AgentFault) -> None:
+        """Past 2 x workers lost sessions with none finished, the agent is broken, not unlucky:
+        the proxy's episodes raise this (the run stops naming the command and the reason)."""
+        if self.proxy.stats["finished"]:
+            return
+        self._lost_before_any_finished += 1
+        if self._lost_before_any_finished >= 2 * len(self.workers) and self.proxy.fatal is None:
+            self.proxy.fatal = RuntimeError(
+                f"agent.command {self.config.command!r} lost its first "
+                f"{self._lost_before_any_finished} sessions and finished none; the last: {fault}"
+            )
 
     async def _finish(self, s: Any, reward: float | None) -> None:
         """Reward (the agent's, else the reward function's) and end the session."""
