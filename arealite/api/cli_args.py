@@ -223,13 +223,19 @@ class SFTConfig(BaseExperimentConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.allocation.train_only:
-            raise ConfigError(
-                f"allocation_mode={self.allocation_mode!r}: SFT runs no inference servers; "
-                "use a train-only mode such as 'd2p1t1'"
-            )
-        if not self.model.path:
-            raise ConfigError("model.path is required (an HF model directory or hub id)")
+        check_trainer_only(self, "SFT", "d2p1t1")
+
+
+def check_trainer_only(config, what: str, example_mode: str) -> None:
+    """A run of `config.model` with no inference servers (SFT, reward-model training): a
+    train-only allocation and a model path."""
+    if not config.allocation.train_only:
+        raise ConfigError(
+            f"allocation_mode={config.allocation_mode!r}: {what} runs no inference servers; "
+            f"use a train-only mode such as {example_mode!r}"
+        )
+    if not config.model.path:
+        raise ConfigError("model.path is required (an HF model directory or hub id)")
 
 
 @dataclass

@@ -44,6 +44,13 @@ def help_text(text: str) -> dict:
     return {"help": text}
 
 
+def require(ok: bool, key: str, value: Any, rule: str) -> None:
+    """A value check of `__post_init__`: ConfigError `<key> must be <rule>, got <value>` unless
+    `ok`, e.g. `require(self.rank >= 1, "lora.rank", self.rank, ">= 1")`."""
+    if not ok:
+        raise ConfigError(f"{key} must be {rule}, got {value}")
+
+
 def derived_from(source: str, text: str) -> dict:
     """`field(metadata=derived_from("gconfig.n_samples", ...))`: a field that the experiment
     config sets from the user's key `source` in its `__post_init__` (one key per fact). It is

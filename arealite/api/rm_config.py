@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from arealite.api.cli_args import BaseExperimentConfig, TrainEngineConfig
+from arealite.api.cli_args import BaseExperimentConfig, TrainEngineConfig, check_trainer_only
 from arealite.api.config_loader import ConfigError, help_text
 
 BUILTIN_PREFERENCES = "arith_preferences"
@@ -130,13 +130,7 @@ class RMConfig(BaseExperimentConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.allocation.train_only:
-            raise ConfigError(
-                f"allocation_mode={self.allocation_mode!r}: reward-model training runs no "
-                "inference servers; use a train-only mode such as 'd1p1t1'"
-            )
-        if not self.model.path:
-            raise ConfigError("model.path is required (an HF model directory or hub id)")
+        check_trainer_only(self, "reward-model training", "d1p1t1")
         self.model.check_head()
         self.model.is_critic = self.model.head == "scalar"
         for key, ds in (

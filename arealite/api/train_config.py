@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from arealite.api.config_loader import ConfigBase, ConfigError, derived_from
+from arealite.api.config_loader import ConfigBase, ConfigError, derived_from, require
 from arealite.api.config_loader import help_text as _help
 from arealite.api.lora_config import LoRAConfig
 from arealite.api.presets import PresetName
@@ -203,17 +203,13 @@ class PPOActorConfig(TrainEngineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.group_size < 1:
-            raise ConfigError(f"actor.group_size must be >= 1, got {self.group_size}")
-        if self.ppo_n_minibatches < 1:
-            raise ConfigError(f"actor.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches}")
-        if self.c_clip is not None and self.c_clip <= 1:
-            raise ConfigError(f"actor.c_clip must be > 1 (dual clip), got {self.c_clip}")
-        if self.dynamic_sampling_max_oversample < 1:
-            raise ConfigError(
-                "actor.dynamic_sampling_max_oversample must be >= 1 (1 = never drop), got "
-                f"{self.dynamic_sampling_max_oversample}"
-            )
+        require(self.group_size >= 1, "actor.group_size", self.group_size, ">= 1")
+        n = self.ppo_n_minibatches
+        require(n >= 1, "actor.ppo_n_minibatches", n, ">= 1")
+        c = self.c_clip
+        require(c is None or c > 1, "actor.c_clip", c, "> 1 (dual clip)")
+        over = self.dynamic_sampling_max_oversample
+        require(over >= 1, "actor.dynamic_sampling_max_oversample", over, ">= 1 (1 = never drop)")
         if self.use_decoupled_loss and not self.recompute_logprob:
             raise ConfigError(
                 "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "
@@ -246,5 +242,4 @@ class PPOCriticConfig(TrainEngineConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.warmup_steps < 0:
-            raise ConfigError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.warmup_steps >= 0, "critic.warmup_steps", self.warmup_steps, ">= 0")

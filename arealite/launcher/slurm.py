@@ -213,19 +213,24 @@ def run(argv: list[str]) -> int:
     os.environ[LAUNCHER_HEARTBEAT_ENV] = heartbeat.path
     heartbeat.start()
     try:
-        addrs = []
-        if not config.allocation.train_only:
-            job.submit("servers", servers_script(config, plan, job.log_dir))
-            addrs = job.wait_servers()
-            logger.info("%d server(s) registered: %s", len(addrs), ", ".join(addrs))
-        follower = LogFollower(os.path.join(job.log_dir, "trainer.log"))  # before it can grow
-        job.submit("trainer", trainer_script(config, plan, job.log_dir, script, script_args, addrs))
-        job.wait_trainer(follower)
-        logger.info("trainer finished; logs in %s", job.log_dir)
+        _submit_and_follow(job, script, script_args)
         return 0
     finally:
         job.cancel_all()
         heartbeat.stop()
+
+
+def _submit_and_follow(job: SlurmRun, script: str, script_args: list[str]) -> None:
+    """The servers job (until every server registered), then the trainer job to its end."""
+    config, plan, addrs = job.config, job.plan, []
+    if not config.allocation.train_only:
+        job.submit("servers", servers_script(config, plan, job.log_dir))
+        addrs = job.wait_servers()
+        logger.info("%d server(s) registered: %s", len(addrs), ", ".join(addrs))
+    follower = LogFollower(os.path.join(job.log_dir, "trainer.log"))  # before it can grow
+    job.submit("trainer", trainer_script(config, plan, job.log_dir, script, script_args, addrs))
+    job.wait_trainer(follower)
+    logger.info("trainer finished; logs in %s", job.log_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -176,29 +176,18 @@ def _actor_loss_stats(
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Detached per-token tensors (0 off the mask) and scalar ratios / means for logging."""
     n_tokens = mask.sum()
-
-    def ratio_of(b):
-        return b.sum() / n_tokens.clamp(min=1)
-
     approx_kl = torch.where(mask, log_ratio, 0).detach()
-    return dict(
-        loss=token_loss.detach(),
-        importance_weight=torch.where(mask, ratio, 0).detach(),
-        approx_kl=approx_kl,
-        clip_mask=clip_mask,
-        dual_clip_mask=dual_clip_mask,
-        behave_imp_weight=behav_weight,
-        behave_approx_kl=behav_log,
-        behave_mask=behav_mask,
-        n_tokens=n_tokens,
-        clip_ratio=ratio_of(clip_mask),
-        dual_clip_ratio=ratio_of(dual_clip_mask),
-        behave_mask_ratio=ratio_of(behav_mask),
-        importance_weight_mean=masked_mean(ratio.detach(), mask),
-        approx_kl_mean=masked_mean(approx_kl, mask),
-        behave_imp_weight_mean=masked_mean(behav_weight, behav_mask),
-        behave_approx_kl_mean=masked_mean(behav_log, behav_mask),
-    )
+    stats = {"loss": token_loss.detach(), "importance_weight": torch.where(mask, ratio, 0).detach(),
+             "approx_kl": approx_kl, "clip_mask": clip_mask, "dual_clip_mask": dual_clip_mask,
+             "behave_imp_weight": behav_weight, "behave_approx_kl": behav_log,
+             "behave_mask": behav_mask, "n_tokens": n_tokens}  # fmt: skip
+    for name, selected in (("clip", clip_mask), ("dual_clip", dual_clip_mask),
+                           ("behave_mask", behav_mask)):  # fmt: skip
+        stats[f"{name}_ratio"] = selected.sum() / n_tokens.clamp(min=1)
+    for name, m in (("importance_weight", mask), ("approx_kl", mask),
+                    ("behave_imp_weight", behav_mask), ("behave_approx_kl", behav_mask)):  # fmt: skip
+        stats[f"{name}_mean"] = masked_mean(stats[name], m)
+    return stats
 
 
 def ppo_critic_loss_fn(
