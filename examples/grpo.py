@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from arealite.inference import make_remote_engine
 from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
+from arealite.rollout.record import EpisodeRecorder, RecordedBatches, check_recording
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
@@ -57,9 +59,21 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, pr
     )  # fmt: skip
 
 
-def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=None):
+@dataclasses.dataclass
+class Evaluation:
     """Greedy held-out accuracy (mean reward) on a separate client, so evaluation never counts
     against the training rollouts' staleness budget."""
+
+    accuracy: Callable[[], float]
+    executor: WorkflowExecutor
+
+    def destroy(self) -> None:
+        self.executor.destroy()
+        self.executor.engine.destroy()
+
+
+def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None):
+    """The run's Evaluation, or None without a valid_dataset."""
     if config.valid_dataset is None:
         return None
     valid = dataloader(config.valid_dataset, rank, world, tokenizer, shuffle=False,
@@ -86,7 +100,7 @@ def make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor=Non
             dist.all_reduce(correct)
         return (correct[0] / correct[1].clamp(min=1)).item()
 
-    return accuracy, executor
+    return Evaluation(accuracy, executor)
 
 
 def log_trained_items(path: str, step: int, rows: list) -> None:
@@ -116,161 +130,301 @@ def reward_pool_of(reward, weights, workers: int, timeout: float, fail_fast=None
     return make_reward_pool(reward, weights, workers, timeout, fail_fast)
 
 
-def main(argv: list[str], workflow_cls=None, load_processor=None, **_old_kwargs) -> None:
-    """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ..., reward_pool=...)` makes the
-    episodes (default: RLVRWorkflow, VisionRLVRWorkflow for rows with images);
-    `load_processor(path)` loads the processor the datasets and workflows use."""
-    config = load_expr_config(argv, GRPOConfig)
-    claim_run_dir(config.run_dir, int(os.environ.get("RANK", 0)))  # one owner per run
-    actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
+def resolve_workflow(config, tokenizer, workflow_cls, load_processor):
+    """(episode factory, processor): the caller's, VisionRLVRWorkflow for rows with images,
+    RLVRWorkflow otherwise; `agent.command` routes episodes through an AgentProxy."""
     processor_path = config.tokenizer_path or config.actor.path
     if workflow_cls is None and is_vision_dataset(config.train_dataset.path, processor_path):
         workflow_cls, load_processor = VisionRLVRWorkflow, load_processor or load_vlm_processor
     workflow_cls = workflow_cls or RLVRWorkflow
     if config.agent.command:  # agent.command: an AgentProxy + the agent's processes serve episodes
         workflow_cls = AgentRoute(config.agent, tokenizer)
-    processor = load_processor(processor_path) if load_processor else None
-    torch.manual_seed(config.seed)
+    return workflow_cls, load_processor(processor_path) if load_processor else None
 
-    # Data: each trainer rank rolls out and trains on its own shard.
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed,
-                              processor=processor)  # fmt: skip
-    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
-                           config.train_dataset.batch_size)  # fmt: skip
-    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
 
-    # Engines: the policy (FSDP2), an optional frozen reference, the rollout client.
-    actor.initialize(None, ft_spec)
-    ref = None
-    if config.ref is not None:
-        ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
-        ref.initialize(None, ft_spec)
-    critic = None  # PPO's value model: trained here, never sent to the servers
-    if config.critic is not None:
-        critic = FSDPPPOCritic(config.critic)
-        critic.initialize(None, ft_spec)
-    rollout = make_remote_engine(config.allocation.gen_backend, config.rollout)
-    rollout.initialize()
-    executor = WorkflowExecutor(config.rollout, rollout)  # episodes in the background
-    executor.initialize(train_data_parallel_size=world)
-    reward_pool = reward_pool_of(*reward_of(config), workers=config.rollout.reward_workers,
-                                 timeout=config.rollout.reward_timeout,
-                                 fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
-    workflow = workflow_cls(
-        None, config.gconfig, processor or tokenizer, reward_pool=reward_pool,
-        dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
-    )  # fmt: skip
-    group_filter = None  # DAPO's dynamic sampling: equal-reward groups replaced, not trained
-    if config.actor.dynamic_sampling:
-        group_filter = InformativeGroupFilter(config.train_dataset.batch_size // world,
-                                              config.actor.dynamic_sampling_max_oversample)  # fmt: skip
-    evaluation = make_accuracy_fn(config, rank, world, tokenizer, workflow_cls, processor)
-    # Weight sync (config.weight_update: disk | distributed), both sides in the right order.
-    weights = WeightSync(config.weight_update, actor, executor,
-                         os.path.join(config.run_dir, "weight_sync"))  # fmt: skip
-    evaluators = [evaluation[1].engine] if evaluation is not None else []
-    trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
+class ServerRollouts:
+    """Each step's batch from the inference servers: episodes run in the background
+    (staleness-bounded, overlapping training) or, at eta = 0, synchronously."""
 
-    # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
-    saver = Saver(config.saver, ft_spec, config.run_dir)
-    evaluator = Evaluator(config.evaluator, ft_spec)
-    states = {
-        "model": actor, "dataloader": train_loader, "rollout": executor, "saver": saver,
-        "evaluator": evaluator, "workflow": workflow,  # its reward counters continue
-    }  # fmt: skip
-    if critic is not None:
-        states["critic"] = critic
-    recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
-    start = recover.load()
-    if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
-        weights.push(start, evaluators)
-    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
-                         total_steps=total_steps, exp_config=config)  # fmt: skip
-    accuracy_before = evaluation[0]() if evaluation is not None and start == 0 else None
+    n_steps = 10**12  # as many steps as the run asks for
 
-    data_iter = iter(train_loader)
-    first_actor_step = config.critic.warmup_steps if critic is not None else 0
-    no_signal = NoLearningSignal(config.rollout.no_signal_steps, config.actor.group_size)
-    for global_step in range(start, total_steps):
-        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
-        # 1. Rollout: async (staleness-bounded, overlaps training) or sync (eta = 0).
-        with stats_tracker.record_timing("rollout"):
-            if config.rollout.max_head_offpolicyness > 0 or group_filter is not None:
-                batch = executor.prepare_batch(train_loader, workflow, group_filter)
-            else:
-                try:
-                    rows = next(data_iter)
-                except StopIteration:
-                    data_iter = iter(train_loader)
-                    rows = next(data_iter)
-                batch = executor.rollout_batch(rows, workflow)
-        log_trained_items(trained_log, global_step, executor.last_batch_data)
-        no_signal.observe(global_step, batch["rewards"])  # warns once: equal rewards in every group
+    def __init__(self, config, world, rank, tokenizer, workflow_cls, processor, loader):
+        rollout_cfg = config.rollout
+        if config.mode == "rollout_only":  # the policy never changes: no staleness bound
+            rollout_cfg = dataclasses.replace(rollout_cfg, max_head_offpolicyness=10**6)
+        self.sync = rollout_cfg.max_head_offpolicyness == 0 and not config.actor.dynamic_sampling
+        engine = make_remote_engine(config.allocation.gen_backend, rollout_cfg)
+        engine.initialize()
+        self.executor = WorkflowExecutor(rollout_cfg, engine)
+        self.executor.initialize(train_data_parallel_size=world)
+        self.reward_pool = reward_pool_of(*reward_of(config), workers=rollout_cfg.reward_workers,
+                                          timeout=rollout_cfg.reward_timeout,
+                                          fail_fast=rollout_cfg.reward_fail_fast())  # fmt: skip
+        self.workflow = workflow_cls(
+            None, config.gconfig, processor or tokenizer, reward_pool=self.reward_pool,
+            dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
+        )  # fmt: skip
+        self.group_filter = None  # DAPO's dynamic sampling: equal-reward groups resampled
+        if config.actor.dynamic_sampling:
+            self.group_filter = InformativeGroupFilter(
+                config.train_dataset.batch_size // world,
+                config.actor.dynamic_sampling_max_oversample,
+            )
+        self.loader, self.data_iter = loader, iter(loader)
 
-        # 2. Reference logprobs for the KL term. The proximal policy of the decoupled loss
-        #    needs no call: ppo_update takes it from its own forward (or recomputes it).
-        if ref is not None:
+    def next_batch(self, step: int):
+        """(batch, the dataset rows of its episodes)."""
+        if not self.sync:
+            batch = self.executor.prepare_batch(self.loader, self.workflow, self.group_filter)
+            return batch, self.executor.last_batch_data
+        rows = next(self.data_iter, None)
+        if rows is None:  # epoch end
+            self.data_iter = iter(self.loader)
+            rows = next(self.data_iter)
+        batch = self.executor.rollout_batch(rows, self.workflow)
+        return batch, self.executor.last_batch_data
+
+    def states(self) -> dict:
+        return {"rollout": self.executor, "workflow": self.workflow}  # reward counters continue
+
+    def stats(self) -> dict:
+        stats = self.group_filter.take_stats() if self.group_filter is not None else {}
+        stats.update({f"rollout/{k}": v for k, v in self.workflow.reward_stats.items()})
+        if hasattr(self.reward_pool, "component_stats"):  # a weighted sum: each reward's mean
+            stats.update(self.reward_pool.component_stats())
+        return stats
+
+    def destroy(self) -> None:
+        self.executor.destroy()
+        self.executor.engine.destroy()
+
+
+class RecordedRollouts:
+    """mode train_only: each step's batch as a recording holds it (no server)."""
+
+    def __init__(self, record_dir: str, world: int, rank: int):
+        self.recording = RecordedBatches(record_dir, rank, world)
+        self.n_steps = self.recording.n_steps  # the run stops at the recording's end
+
+    def next_batch(self, step: int):
+        rows = [{"query_id": q} for q in self.recording.query_ids(step)]
+        return self.recording.batch(step), rows
+
+    def states(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return {}
+
+    def destroy(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Trainers:
+    """The trained models: the policy (FSDP2), an optional frozen reference for the KL term,
+    PPO's optional value model (trained here, never sent to the servers)."""
+
+    actor: FSDPPPOActor
+    ref: FSDPPPOActor | None
+    critic: FSDPPPOCritic | None
+    first_actor_step: int  # before it, the critic's warm-up: critic only
+
+    @classmethod
+    def build(cls, config, ft_spec):
+        actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
+        actor.initialize(None, ft_spec)
+        ref = critic = None
+        if config.ref is not None:
+            ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
+            ref.initialize(None, ft_spec)
+        if config.critic is not None:
+            critic = FSDPPPOCritic(config.critic)
+            critic.initialize(None, ft_spec)
+        warmup = config.critic.warmup_steps if critic is not None else 0
+        return cls(actor, ref, critic, warmup)
+
+    def train(self, batch, global_step: int) -> dict:
+        """Reference logprobs, values, advantages and the PPO update(s) of one step. The
+        proximal policy of the decoupled loss needs no call: ppo_update takes it from its
+        own forward (or recomputes it)."""
+        actor, critic = self.actor, self.critic
+        if self.ref is not None:
             with stats_tracker.record_timing("compute_logp"):
-                batch["ref_logp"] = ref.compute_logp(batch)
-
-        # 3. Advantages and the PPO update.
+                batch["ref_logp"] = self.ref.compute_logp(batch)
         with stats_tracker.record_timing("train_step"):
             if critic is not None:  # values before the update feed GAE and anchor the clip
                 batch["values"] = critic.compute_values(batch)
             adv_stats = actor.compute_advantages(batch)
             stats = {}
-            if global_step >= first_actor_step:  # else the critic's warm-up: critic only
+            if global_step >= self.first_actor_step:
                 stats = actor.ppo_update(batch)
                 actor.step_lr_scheduler()
             if critic is not None:
                 stats.update({f"ppo_critic/{k}": v for k, v in critic.ppo_update(batch).items()})
                 critic.step_lr_scheduler()
-
-        # 4. Weight sync: new episodes wait, the servers load the new weights; evaluation
-        #    clients then refuse a server with older ones.
-        with stats_tracker.record_timing("update_weights"):
-            weights.push(global_step + 1, evaluators)
-
-        # 5. Services.
-        saver.save(actor, epoch, step, global_step, tokenizer=tokenizer)
-        if evaluation is not None:
-            last = global_step == total_steps - 1
-            acc = evaluator.evaluate(evaluation[0], epoch, step, global_step, force=last)
-            if acc is not None:
-                stats["eval/accuracy"] = acc
-            if accuracy_before is not None and global_step == 0:
-                stats["eval/accuracy_before_training"] = accuracy_before
         stats.update({f"ppo_actor/{k}": v for k, v in adv_stats.items()})
-        if global_step == first_actor_step:  # what the optimizer holds: weights or adapters
+        if global_step == self.first_actor_step:  # what the optimizer holds: weights or adapters
             trainable, total = count_parameters(actor.model)
             stats.update({"actor/trainable_params": trainable, "actor/total_params": total,
                           "actor/optimizer_state_bytes": optimizer_state_bytes(actor.optimizer)})  # fmt: skip
+        return stats
+
+    def destroy(self) -> None:
+        for engine in (self.actor, self.ref, self.critic):
+            if engine is not None:
+                engine.destroy()
+
+
+def publish_weights(weights: WeightSync | None, actor, version: int, evaluators) -> None:
+    """The servers load the actor's weights tagged `version` (new episodes wait meanwhile;
+    evaluation clients then refuse a server with older ones). Without servers (train_only)
+    only the version moves: staleness is measured against it."""
+    if weights is None:
+        actor.set_version(version)
+    else:
+        weights.push(version, evaluators)
+
+
+def evaluation_stats(evaluation, evaluator, global_step, total_steps, accuracy_before) -> dict:
+    """eval/accuracy when due (always at the last step); the accuracy before training at 0."""
+    if evaluation is None:
+        return {}
+    epoch, step = divmod(global_step, evaluator.ft_spec.steps_per_epoch)
+    last = global_step == total_steps - 1
+    acc = evaluator.evaluate(evaluation.accuracy, epoch, step, global_step, force=last)
+    stats = {} if acc is None else {"eval/accuracy": acc}
+    if accuracy_before is not None and global_step == 0:
+        stats["eval/accuracy_before_training"] = accuracy_before
+    return stats
+
+
+def record_rollouts(config, rollouts, recorder, ft_spec, total_steps: int) -> None:
+    """mode rollout_only: generate, score and record `total_steps` batches; no trainer."""
+    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, total_steps=total_steps,
+                         exp_config=config)  # fmt: skip
+    for global_step in range(total_steps):
+        with stats_tracker.record_timing("rollout"):
+            batch, rows = rollouts.next_batch(global_step)
+        stats = {"rollout/episodes_recorded": recorder.write(global_step, batch, rows)}
         stats.update(stats_tracker.export())
-        if group_filter is not None:
-            stats.update(group_filter.take_stats())
-        stats.update({f"rollout/{k}": v for k, v in workflow.reward_stats.items()})
-        if hasattr(reward_pool, "component_stats"):  # a weighted sum: each reward's mean
-            stats.update(reward_pool.component_stats())
+        stats.update(rollouts.stats())
+        logger.commit(*divmod(global_step, ft_spec.steps_per_epoch), global_step, stats)
+    logger.close()
+    recorder.close()
+    rollouts.destroy()
+
+
+def batch_sources(config, world, rank, tokenizer, workflow_cls, processor, loader, actor):
+    """(rollouts, weights, evaluation): the servers, their weight sync and the held-out
+    evaluation (mode train), or the recording alone (train_only: no server)."""
+    if config.mode == "train_only":
+        return RecordedRollouts(config.rollout.record, world, rank), None, None
+    rollouts = ServerRollouts(config, world, rank, tokenizer, workflow_cls, processor, loader)
+    weights = WeightSync(config.weight_update, actor, rollouts.executor,
+                         os.path.join(config.run_dir, "weight_sync"))  # fmt: skip
+    evaluation = make_evaluation(config, rank, world, tokenizer, workflow_cls, processor)
+    return rollouts, weights, evaluation
+
+
+def finish(saver, logger, trainers, total_steps, tokenizer, evaluation, rollouts, recorder):
+    """Export the final policy, close the metrics (the summary and curves.png sit next to
+    metrics.jsonl), stop the clients and engines."""
+    saver.save(trainers.actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
+    summary = logger.close()
+    if summary and evaluation is not None:
+        print(f"held-out accuracy: {summary['last'].get('eval/accuracy_before_training')} "
+              f"before GRPO -> {summary['last'].get('eval/accuracy')} after", flush=True)  # fmt: skip
+    for source in (rollouts, evaluation):
+        if source is not None:
+            source.destroy()
+    if recorder is not None:
+        recorder.close()
+    trainers.destroy()
+
+
+def make_recorder(config, rank, tokenizer) -> EpisodeRecorder | None:
+    """Records the trained batches when rollout.record is set (train_only reads it instead)."""
+    if not config.rollout.record or config.mode == "train_only":
+        return None
+    return EpisodeRecorder(config.rollout.record, rank, tokenizer.decode)
+
+
+def main(argv: list[str], workflow_cls=None, load_processor=None) -> None:
+    """`workflow_cls(reward_fn, gconfig, processor or tokenizer, ..., reward_pool=...)` makes the
+    episodes (default: RLVRWorkflow, VisionRLVRWorkflow for rows with images);
+    `load_processor(path)` loads the processor the datasets and workflows use."""
+    config = load_expr_config(argv, GRPOConfig)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if config.mode == "train_only":  # a missing recording fails before any engine is built
+        check_recording(config.rollout.record, world)
+    claim_run_dir(config.run_dir, rank)  # one owner per run
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path or config.actor.path)
+    workflow_cls, processor = resolve_workflow(config, tokenizer, workflow_cls, load_processor)
+    torch.manual_seed(config.seed)
+
+    # Data: each trainer rank rolls out and trains on its own shard.
+    train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed,
+                              processor=processor)  # fmt: skip
+    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
+                           config.train_dataset.batch_size)  # fmt: skip
+    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
+    recorder = make_recorder(config, rank, tokenizer)
+    if config.mode == "rollout_only":
+        rollouts = ServerRollouts(config, world, rank, tokenizer, workflow_cls, processor,
+                                  train_loader)  # fmt: skip
+        return record_rollouts(config, rollouts, recorder, ft_spec, total_steps)
+
+    # Engines, the batches' source (servers, or a recording), weight sync, evaluation.
+    trainers = Trainers.build(config, ft_spec)
+    actor = trainers.actor
+    rollouts, weights, evaluation = batch_sources(config, world, rank, tokenizer, workflow_cls,
+                                                  processor, train_loader, actor)  # fmt: skip
+    total_steps = min(total_steps, rollouts.n_steps)
+    evaluators = [evaluation.executor.engine] if evaluation is not None else []
+    trained_log = os.path.join(config.run_dir, "rollouts", f"trained_rank{rank}.jsonl")
+
+    # Services: checkpoints, evaluation, crash recovery, metrics (TensorBoard + JSONL + PNG).
+    saver = Saver(config.saver, ft_spec, config.run_dir)
+    evaluator = Evaluator(config.evaluator, ft_spec)
+    states = {"model": actor, "dataloader": train_loader, "saver": saver,
+              "evaluator": evaluator, **rollouts.states()}  # fmt: skip
+    if trainers.critic is not None:
+        states["critic"] = trainers.critic
+    recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
+    start = recover.load()
+    if start > 0:  # resumed: servers must serve the restored weights, tagged with their version
+        publish_weights(weights, actor, start, evaluators)
+    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
+                         total_steps=total_steps, exp_config=config)  # fmt: skip
+    accuracy_before = evaluation.accuracy() if evaluation is not None and start == 0 else None
+
+    no_signal = NoLearningSignal(config.rollout.no_signal_steps, config.actor.group_size)
+    for global_step in range(start, total_steps):
+        # 1. Rollout: async (staleness-bounded, overlaps training), sync (eta = 0) or recorded.
+        with stats_tracker.record_timing("rollout"):
+            batch, rows = rollouts.next_batch(global_step)
+        log_trained_items(trained_log, global_step, rows)
+        if recorder is not None:
+            recorder.write(global_step, batch, rows)
+        no_signal.observe(global_step, batch["rewards"])  # warns once: equal rewards in every group
+        # 2. Reference logprobs, values, advantages, the PPO update.
+        stats = trainers.train(batch, global_step)
+        # 3. Weight sync: the servers load the new weights (written once: publish_weights).
+        with stats_tracker.record_timing("update_weights"):
+            publish_weights(weights, actor, global_step + 1, evaluators)
+        # 4. Services.
+        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
+        saver.save(actor, epoch, step, global_step, tokenizer=tokenizer)
+        stats.update(evaluation_stats(evaluation, evaluator, global_step, total_steps,
+                                      accuracy_before))  # fmt: skip
+        stats.update(stats_tracker.export())
+        stats.update(rollouts.stats())
         logger.commit(epoch, step, global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
         recover.dump(global_step + 1)
 
-    # Export the final policy; the summary (and curves.png) sit next to metrics.jsonl.
-    saver.save(actor, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
-    summary = logger.close()
-    if summary and evaluation is not None:
-        accuracy_before = summary["last"].get("eval/accuracy_before_training")
-        print(f"held-out accuracy: {accuracy_before} before GRPO -> "
-              f"{summary['last'].get('eval/accuracy')} after", flush=True)  # fmt: skip
-    for ex in [executor] + ([evaluation[1]] if evaluation is not None else []):
-        ex.destroy()
-        ex.engine.destroy()
-    actor.destroy()
-    for engine in (ref, critic):
-        if engine is not None:
-            engine.destroy()
+    finish(saver, logger, trainers, total_steps, tokenizer, evaluation, rollouts, recorder)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,12 @@ class InferenceEngineConfig(ConfigBase):
     api_key: Optional[str] = field(default=None, metadata=_help("Bearer token for the servers."))
     pause_grace_period: float = 0.0
     reward_timeout: float = field(default=15.0, metadata=_help("Seconds per reward call."))
+    record: Optional[str] = field(
+        default=None,
+        metadata=_help("A directory: every trained batch's episodes are appended there (one "
+                       "JSONL a rank; mode=train_only reads it back). docs/guide.md, Record, "
+                       "replay, train-only."),
+    )  # fmt: skip
     reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
     reward_fail_fast_calls: int = field(
         default=64,
@@ -238,6 +244,9 @@ def check_trainer_only(config, what: str, example_mode: str) -> None:
         raise ConfigError("model.path is required (an HF model directory or hub id)")
 
 
+GRPO_MODES = ("train", "rollout_only", "train_only")
+
+
 @dataclass
 class GRPOConfig(BaseExperimentConfig):
     allocation_mode: str = "local.d1p1t1+d1p1t1"
@@ -273,6 +282,13 @@ class GRPOConfig(BaseExperimentConfig):
         default_factory=AgentConfig,
         metadata=_help("An agent program trained through the AgentProxy (docs/agents.md)."),
     )
+    mode: str = field(
+        default="train",
+        metadata=_help(
+            "train | rollout_only (generate, score and record to rollout.record; no trainer) | "
+            "train_only (train on the recording in rollout.record; no inference server)."
+        ),
+    )
     eval_reward: Optional[str] = field(
         default=None,
         metadata=_help(
@@ -297,6 +313,11 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if not self.actor.path:
             raise ConfigError("actor.path is required (an HF model directory or hub id)")
+        if self.mode not in GRPO_MODES:
+            raise ConfigError(f"mode={self.mode!r}: expected one of {', '.join(GRPO_MODES)}")
+        if self.mode != "train" and not self.rollout.record:
+            raise ConfigError(f"mode={self.mode} needs rollout.record=<dir> (the recording "
+                              f"it {'writes' if self.mode == 'rollout_only' else 'reads'})")  # fmt: skip
         # One key per fact: the derived keys follow the user's (config_loader.derived_from).
         self.actor.group_size = self.gconfig.n_samples  # advantages: per group of samples
         self.rollout.consumer_batch_size = self.train_dataset.batch_size  # prompts per step

@@ -30,6 +30,7 @@ from arealite.launcher.process import (
 )
 from arealite.launcher.servers import (
     SERVER_ADDRS_ENV,
+    needs_servers,
     plan_servers,
     share_server_api_key,
     wait_healthy,
@@ -166,7 +167,7 @@ def run(argv: list[str]) -> int:
     procs = ProcessSet(log_dir)
     install_signal_handlers(lambda signum: logger.warning("signal %d: stopping the run", signum))
     try:
-        addrs = [] if config.allocation.train_only else start_servers(procs, config, gpus)
+        addrs = start_servers(procs, config, gpus) if needs_servers(config) else []
         attempts = 1 + (config.recover.retries if config.recover.mode != "disabled" else 0)
         for attempt in range(attempts):
             port = config.launcher.trainer_port or find_free_port()

@@ -28,6 +28,7 @@ from arealite.launcher import process
 from arealite.launcher.local import trainer_env
 from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
 from arealite.launcher.servers import (
+    needs_servers,
     server_command,
     share_server_api_key,
     wait_healthy,
@@ -376,7 +377,7 @@ def run(argv: list[str]) -> int:
         repo = make_repository(config.cluster.name_resolve, config.cluster.fileroot)
         repo.clear_subtree(trial_root(config.experiment_name, config.trial_name))
         env = forwarded_env(config)
-        addrs = [] if config.allocation.train_only else job.start_servers(env)
+        addrs = job.start_servers(env) if needs_servers(config) else []
         job.start_trainers(script, script_args, {**trainer_env(config, addrs), **env})
         job.wait()
         logger.info("trainer finished; logs in %s", job.log_dir)

@@ -27,6 +27,12 @@ VLLM_PYTHON_ENV = "AREAL_VLLM_PYTHON"
 SERVER_API_KEY_ENV = "AREAL_SERVER_API_KEY"
 
 
+def needs_servers(config) -> bool:
+    """Whether the run starts inference servers: not for a train-only allocation (SFT), nor for
+    GRPO's `mode: train_only` (it trains on a recording, docs/guide.md)."""
+    return not config.allocation.train_only and getattr(config, "mode", "train") != "train_only"
+
+
 def share_server_api_key(config) -> None:
     """Put the run's server API key in this launcher's environment, which every server and
     trainer process inherits (Ray forwards AREAL_* variables, sbatch exports the submitting

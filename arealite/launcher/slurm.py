@@ -39,7 +39,7 @@ from arealite.launcher.process import (
     log_tail,
     run_launcher,
 )
-from arealite.launcher.servers import share_server_api_key
+from arealite.launcher.servers import needs_servers, share_server_api_key
 from arealite.launcher.slurm_node import register_and_run
 from arealite.launcher.slurm_scripts import servers_script, trainer_script
 from arealite.utils.lifeline import LAUNCHER_HEARTBEAT_ENV, HeartbeatWriter
@@ -223,7 +223,7 @@ def run(argv: list[str]) -> int:
 def _submit_and_follow(job: SlurmRun, script: str, script_args: list[str]) -> None:
     """The servers job (until every server registered), then the trainer job to its end."""
     config, plan, addrs = job.config, job.plan, []
-    if not config.allocation.train_only:
+    if needs_servers(config):
         job.submit("servers", servers_script(config, plan, job.log_dir))
         addrs = job.wait_servers()
         logger.info("%d server(s) registered: %s", len(addrs), ", ".join(addrs))
