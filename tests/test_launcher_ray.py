@@ -1,7 +1,6 @@
 """The Ray launcher on a real local Ray head: torchrun environment, servers through name_resolve,
 teardown when a rank or a server fails."""
 
-import glob
 import json
 import os
 import re
@@ -14,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from test_launcher_slurm import GRPO_SMALL, check_grpo_metrics
+from test_launcher_slurm import GRPO_SMALL, check_grpo_metrics, wait_for_files
 
 from arealite.utils.network import find_free_port
 
@@ -82,20 +81,6 @@ def base_args(script, tmp_path, ray_address, trial="t"):
         script, "experiment_name=ray", f"trial_name={trial}", f"cluster.fileroot={tmp_path}",
         "train_dataset.path=arith", f"launcher.ray_address={ray_address}",
     ]  # fmt: skip
-
-
-def wait_for_files(pattern: str, n: int, proc, timeout: float = 180) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = sorted(glob.glob(pattern))
-        if len(files) == n:
-            return [json.load(open(f)) for f in files]
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"launcher exited {proc.returncode} early:\n{out[-3000:]}\n{err[-3000:]}")
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"{n} files {pattern} did not appear in {timeout}s")
 
 
 def assert_dead(pids, timeout=30):

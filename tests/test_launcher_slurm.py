@@ -181,6 +181,11 @@ def base_args(script, tmp_path, trial="t"):
     ]  # fmt: skip
 
 
+def two_rank_args(script, tmp_path, model):
+    """An SFT-style (train-only) run of `script` on two trainer ranks."""
+    return [*base_args(script, tmp_path), f"model.path={model}", "allocation_mode=d2p1t1"]
+
+
 def our_jobs(tmp_path) -> list[str]:
     """Active Slurm jobs whose output goes under this test's directory."""
     p = subprocess.run(
@@ -216,9 +221,7 @@ def assert_stopped(pids, tmp_path, timeout=30):
 
 @pytest.mark.integration
 def test_two_ranks_through_sbatch(slurm, tmp_path, tiny_model_dir):
-    p = launch(
-        [*base_args(RANK_PROBE, tmp_path), f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1"]
-    )
+    p = launch(two_rank_args(RANK_PROBE, tmp_path, tiny_model_dir))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     run_dir = tmp_path / "slurm" / "t"
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -233,11 +236,7 @@ def test_two_ranks_through_sbatch(slurm, tmp_path, tiny_model_dir):
 
 @pytest.mark.integration
 def test_failing_rank_fails_the_job_and_is_named(slurm, tmp_path, tiny_model_dir):
-    args = [
-        *base_args(RANK_PROBE, tmp_path),
-        f"model.path={tiny_model_dir}",
-        "allocation_mode=d2p1t1",
-    ]
+    args = two_rank_args(RANK_PROBE, tmp_path, tiny_model_dir)
     p = launch(args, env={"PROBE_FAIL_RANK": "1"})
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "trainer failed: trainer job" in p.stderr and "state FAILED" in p.stderr
@@ -247,11 +246,7 @@ def test_failing_rank_fails_the_job_and_is_named(slurm, tmp_path, tiny_model_dir
 
 @pytest.mark.integration
 def test_killed_rank_stops_every_process_and_job(slurm, tmp_path, tiny_model_dir):
-    args = [
-        *base_args(CLUSTER_PROBE, tmp_path),
-        f"model.path={tiny_model_dir}",
-        "allocation_mode=d2p1t1",
-    ]
+    args = two_rank_args(CLUSTER_PROBE, tmp_path, tiny_model_dir)
     proc = launch(args, env={"PROBE_HANG": "1"}, wait=False)
     ranks = wait_for_files(str(tmp_path / "slurm" / "t" / "probe" / "rank*.json"), 2, proc)
     os.kill(ranks[1]["pid"], signal.SIGKILL)
@@ -290,11 +285,7 @@ def test_servers_register_then_killed_server_cancels_the_run(slurm, tmp_path, ti
 
 @pytest.mark.integration
 def test_ctrl_c_cancels_every_job(slurm, tmp_path, tiny_model_dir):
-    args = [
-        *base_args(CLUSTER_PROBE, tmp_path),
-        f"model.path={tiny_model_dir}",
-        "allocation_mode=d2p1t1",
-    ]
+    args = two_rank_args(CLUSTER_PROBE, tmp_path, tiny_model_dir)
     proc = launch(args, env={"PROBE_HANG": "1"}, wait=False)
     ranks = wait_for_files(str(tmp_path / "slurm" / "t" / "probe" / "rank*.json"), 2, proc)
     proc.send_signal(signal.SIGINT)
