@@ -22,8 +22,8 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arealite.dataset.arith import generate_arith_problems, generate_mixed_problems
 from arealite.engine.rm.preference_data import prompt_ids, sample_answers
+from arealite.tasks.arith import generate_arith_problems, generate_mixed_problems
 
 
 @torch.no_grad()

@@ -26,10 +26,10 @@ from arealite.api.cli_args import (
     PPOCriticConfig,
 )
 from arealite.api.presets import ACTOR_PRESETS
-from arealite.dataset.arith import generate_arith_problems
 from arealite.engine.ppo.actor import PPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic, explained_variance
 from arealite.engine.rm.preference_data import prompt_ids, sample_answers
+from arealite.tasks.arith import generate_arith_problems
 from arealite.utils.data import pad_sequences_to_tensors
 
 

@@ -43,7 +43,7 @@ def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from arealite.dataset import get_custom_dataset
-    from arealite.reward.arith import arith_reward_fn
+    from arealite.tasks.arith import arith_reward_fn
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")

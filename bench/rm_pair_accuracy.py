@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arealite.engine.rm.preference_data import arith_preferences, prompt_ids, with_sampled_negatives
-from arealite.reward.arith import arith_reward_fn
 from arealite.reward.reward_model import RewardModelScorer
+from arealite.tasks.arith import arith_reward_fn
 
 
 def pair_accuracy(scorer, tokenizer, rows) -> float:

@@ -118,8 +118,7 @@ def trl_child(model: str, seed: int, minutes: float, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from arealite.dataset.arith import get_arith_dataset
-    from arealite.reward.arith import last_integer
+    from arealite.tasks.arith import get_arith_dataset, last_integer
 
     tok = AutoTokenizer.from_pretrained(model)
     train = get_arith_dataset("train", size=20000, **TASK).map(lambda r: {"prompt": r["messages"]})

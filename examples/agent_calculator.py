@@ -223,7 +223,7 @@ def sft(a: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arealite.dataset.arith import generate_arith_problems
+    from arealite.tasks.arith import generate_arith_problems
 
     tok = tool_model_dir(a.base, a.out)
 

@@ -26,7 +26,6 @@ from transformers import AutoTokenizer
 from arealite.agent.route import AgentRoute
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
-from arealite.dataset import default_reward, is_vision_dataset, load_rows
 from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
@@ -35,6 +34,7 @@ from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.rollout.record import EpisodeRecorder, RecordedBatches, check_recording
+from arealite.tasks import default_reward, is_vision_dataset, load_rows
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler, ResumableSampler

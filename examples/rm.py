@@ -27,7 +27,7 @@ from arealite.engine.rm.preference_data import (
     with_reference_scores,
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
-from arealite.reward.arith import arith_reward_fn
+from arealite.tasks.arith import arith_reward_fn
 from arealite.trainer.supervised import rank_loader, start_run, train_supervised
 
 

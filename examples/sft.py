@@ -16,8 +16,8 @@ import sys
 from transformers import AutoTokenizer
 
 from arealite.api.cli_args import SFTConfig, load_expr_config
-from arealite.dataset import is_vision_dataset, load_rows
 from arealite.engine.sft.lm_engine import FSDPLMEngine
+from arealite.tasks import is_vision_dataset, load_rows
 from arealite.trainer.supervised import rank_loader, start_run, train_supervised
 from arealite.utils.data import pad_sequences_to_tensors
 from arealite.utils.vision import load_vlm_processor, sft_row_inputs

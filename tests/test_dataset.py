@@ -10,14 +10,11 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from arealite.dataset import (
-    DatasetFormatError,
-    get_custom_dataset,
-    write_synthetic_gsm8k_jsonl,
-)
-from arealite.dataset.arith import generate_arith_problems, generate_mixed_problems
+from arealite.dataset import DatasetFormatError
 from arealite.dataset.common import chat_prompt_ids
-from arealite.dataset.gsm8k import INSTRUCTION
+from arealite.tasks import get_custom_dataset
+from arealite.tasks.arith import generate_arith_problems, generate_mixed_problems
+from arealite.tasks.gsm8k import INSTRUCTION, write_synthetic_gsm8k_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +225,6 @@ def test_arith_rl_rows_load_into_a_dataloader():
 
 
 def test_empty_dataset_file_is_named(tmp_path):
-    from arealite.dataset import DatasetFormatError, get_custom_dataset
-
     empty = tmp_path / "my_empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DatasetFormatError, match="my_empty.jsonl.*empty"):
@@ -238,8 +233,6 @@ def test_empty_dataset_file_is_named(tmp_path):
 
 def test_too_long_rows_drop_or_fail(tiny_model_dir):
     from transformers import AutoTokenizer
-
-    from arealite.dataset import DatasetFormatError, get_custom_dataset
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     full = get_custom_dataset("arith", 0, 1, tokenizer=tok, size=20, n_operands=3)

@@ -12,13 +12,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from arealite.dataset import (
-    DatasetFormatError,
-    DatasetNotFoundError,
-    default_reward,
-    get_custom_dataset,
-    load_rows,
-)
+from arealite.dataset import DatasetFormatError, DatasetNotFoundError
+from arealite.tasks import default_reward, get_custom_dataset, load_rows
 
 ROWS = [{"question": f"{i}+{i}?", "solution": str(2 * i), "difficulty": i % 3} for i in range(12)]
 MAPPING = {"prompt": "question", "answer": "solution"}
@@ -84,7 +79,7 @@ def test_every_source_kind_loads_with_column_mapping(tmp_path, kind):
 
 HUB_ID_IN_CACHE = """
 import json, sys
-from arealite.dataset import get_custom_dataset
+from arealite.tasks import get_custom_dataset
 ds = get_custom_dataset("org/my_data", columns=json.loads(sys.argv[1]), prompt_template="{prompt} Think.")
 print(json.dumps([dict(r) for r in ds]))
 """
@@ -140,7 +135,7 @@ def test_prompt_template_may_use_other_columns(tmp_path):
 def test_first_reward_row_is_what_the_reward_receives(tmp_path):
     """Preflight calls the reward on this row: canonical and own column names both present."""
     from arealite.api.data_config import DatasetConfig
-    from arealite.dataset import first_reward_row
+    from arealite.tasks import first_reward_row
 
     cfg = DatasetConfig(path=_write_jsonl(tmp_path / "r.jsonl", ROWS), columns=MAPPING)
     row = first_reward_row(cfg)

@@ -27,11 +27,12 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": BASE,
     "trainer": BASE,
     "server": BASE,
-    "dataset": BASE,
-    "reward": BASE,
+    "dataset": BASE,  # the user's data as canonical rows, and the row building blocks
+    "tasks": BASE | {"dataset"},  # built-in tasks: loader + reward + options, one registry
+    "reward": BASE | {"tasks"},  # spec -> callable (built-ins by short name), worker pool
     "workflow": BASE | {"reward"},
     "agent": BASE | {"workflow", "rollout", "reward"},
-    "launcher": BASE,
+    "launcher": BASE | {"tasks", "reward"},  # preflight opens the data, calls the rewards
     "testing": BASE,  # imported by tests, benchmarks and examples only
 }
 

@@ -279,7 +279,7 @@ def test_sync_grpo_killed_and_rerun_matches_the_uninterrupted_run(
 def pulled_and_pending(run_dir, per_pull: int) -> tuple[list[str], set[str]]:
     """From the final recover state: every item the executor pulled (dataloader order) and the
     ones pulled but not trained on yet (they would be replayed by another resume)."""
-    from arealite.dataset import get_custom_dataset
+    from arealite.tasks import get_custom_dataset
     from arealite.trainer.recover import ResumableSampler
 
     ds = get_custom_dataset("arith", type="rl", split="train", size=256, max_digits=1,

@@ -8,13 +8,11 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import pytest
 
-from arealite.reward import (
-    arith_reward_fn,
-    clevr_count_reward_fn,
-    get_reward_fn,
-    gsm8k_reward_fn,
-    math_reward_fn,
-)
+from arealite.api.reward_api import RewardSpecError
+from arealite.reward.resolve import resolve_reward
+from arealite.tasks.arith import arith_reward_fn
+from arealite.tasks.clevr_count import clevr_count_reward_fn
+from arealite.tasks.gsm8k import math_reward_fn
 
 
 def _call(fn, completion: str, answer, **row) -> float:
@@ -36,7 +34,7 @@ GSM8K_CASES = [
 
 @pytest.mark.parametrize("completion,answer,expected", GSM8K_CASES)
 def test_gsm8k_reward(completion, answer, expected):
-    assert _call(gsm8k_reward_fn, completion, answer, query_id="q0") == expected
+    assert _call(math_reward_fn, completion, answer, query_id="q0") == expected
 
 
 def test_math_reward_is_symbolic():
@@ -49,7 +47,7 @@ def test_math_reward_is_symbolic():
 def test_math_reward_works_off_the_main_thread():
     """math-verify's signal.alarm timeout only works in the main thread; ours must not raise."""
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(_call, gsm8k_reward_fn, c, a) for c, a, _ in GSM8K_CASES]
+        futs = [pool.submit(_call, math_reward_fn, c, a) for c, a, _ in GSM8K_CASES]
         assert [f.result() for f in futs] == [e for _, _, e in GSM8K_CASES]
 
 
@@ -58,7 +56,7 @@ def test_rewards_run_in_a_spawned_process_pool():
     cases = GSM8K_CASES[:5]
     with ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
         futs = [
-            pool.submit(gsm8k_reward_fn, "p", c, [1], [2], answer=a, messages=[], query_id="q")
+            pool.submit(math_reward_fn, "p", c, [1], [2], answer=a, messages=[], query_id="q")
             for c, a, _ in cases
         ]
         futs.append(pool.submit(arith_reward_fn, "p", "12+34=46", [1], [2], answer="46"))
@@ -108,10 +106,16 @@ def test_clevr_count_reward(completion, answer, expected):
     assert _call(clevr_count_reward_fn, completion, answer) == expected
 
 
-def test_get_reward_fn():
-    assert get_reward_fn("gsm8k") is gsm8k_reward_fn
-    with pytest.raises(ValueError, match="arith"):
-        get_reward_fn("nope")
+def test_builtin_rewards_by_short_name_are_the_tasks_rewards():
+    """One table (arealite/tasks/registry.py): a short name is a built-in task's reward."""
+    from arealite.tasks.registry import TASKS, default_reward
+
+    assert resolve_reward("gsm8k") is math_reward_fn
+    assert resolve_reward("clevr_count") is clevr_count_reward_fn
+    for name, task in TASKS.items():
+        assert resolve_reward(default_reward(name)) is task.reward
+    with pytest.raises(RewardSpecError, match=r"'arith', 'clevr_count', 'gsm8k', 'math_verify'"):
+        resolve_reward("nope")
 
 
 # ----------------------------------------------------------------------------- reward from config
@@ -148,11 +152,9 @@ def rewards_file(tmp_path):
 
 
 def test_reward_specs_resolve_builtins_files_and_import_paths(rewards_file):
-    from arealite.api.reward_api import resolve_reward
-
     assert resolve_reward("arith") is arith_reward_fn
     assert resolve_reward("math_verify") is math_reward_fn
-    assert resolve_reward("arealite.reward.clevr_count:clevr_count_reward_fn") is (
+    assert resolve_reward("arealite.tasks.clevr_count:clevr_count_reward_fn") is (
         clevr_count_reward_fn
     )
     fn = resolve_reward(f"{rewards_file}:exact")
@@ -170,8 +172,6 @@ def test_reward_specs_resolve_builtins_files_and_import_paths(rewards_file):
     ],
 )
 def test_reward_spec_errors_name_the_spec(rewards_file, spec, message):
-    from arealite.api.reward_api import RewardSpecError, resolve_reward
-
     with pytest.raises(RewardSpecError, match=message):
         resolve_reward(spec.format(file=rewards_file))
 

@@ -22,7 +22,7 @@ from arealite.api.cli_args import (
     SFTConfig,
     load_expr_config,
 )
-from arealite.api.reward_api import RewardSpecError, resolve_reward
+from arealite.api.reward_api import RewardSpecError
 from arealite.api.rm_config import RMConfig
 from arealite.engine.rm.preference_data import (
     PreferenceFormatError,
@@ -34,6 +34,7 @@ from arealite.engine.rm.preference_data import (
 )
 from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.launcher.preflight import load_and_check
+from arealite.reward.resolve import resolve_reward
 from arealite.utils.data import pad_sequences_to_tensors
 
 
@@ -196,7 +197,7 @@ def test_arith_preferences_cover_the_policy_task_and_its_own_mistakes(tiny_model
     """3-operand sums with near misses; sampled negatives are the model's wrong answers only
     (labelled by the exact verifier), in the requested fraction of rows, the same on every
     call (every rank builds the same rows)."""
-    from arealite.reward.arith import arith_reward_fn
+    from arealite.tasks.arith import arith_reward_fn
 
     def is_correct(text, row):
         return arith_reward_fn(row["prompt"], text, [], [], answer=row["answer"]) == 1.0

@@ -21,7 +21,7 @@ from arealite.api.cli_args import (
     load_expr_config,
 )
 from arealite.api.io_struct import SaveLoadMeta
-from arealite.api.reward_api import RewardSpecError, resolve_reward
+from arealite.api.reward_api import RewardSpecError
 from arealite.api.rm_config import RM_HEAD_FILE, RMConfig, RMEngineConfig
 from arealite.engine.rm.implicit import FSDPImplicitRewardModel
 from arealite.engine.rm.preference_data import (
@@ -31,6 +31,7 @@ from arealite.engine.rm.preference_data import (
     prompt_ids,
     with_reference_scores,
 )
+from arealite.reward.resolve import resolve_reward
 from arealite.reward.reward_model import RewardModelScorer
 
 BETA = 0.5

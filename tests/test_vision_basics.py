@@ -12,14 +12,16 @@ import pytest
 import torch
 from PIL import Image
 
-from arealite.dataset.clevr_count_70k import (
-    BACKGROUND,
+from arealite.tasks.clevr_count import (
     DatasetRowError,
-    draw_counting_image,
     fit_image,
-    generate_synthetic_counting,
     get_clevr_count_70k_rl_dataset,
     get_clevr_count_70k_sft_dataset,
+)
+from arealite.tasks.synthetic_counting import (
+    BACKGROUND,
+    draw_counting_image,
+    generate_synthetic_counting,
     write_synthetic_counting_dataset,
 )
 from arealite.testing.tiny_vlm import IMAGE_PLACEHOLDER, build_tiny_vlm

@@ -15,11 +15,11 @@ import pytest
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
-from arealite.dataset import get_custom_dataset
 from arealite.inference.sglang_remote import RemoteSGLangEngine
-from arealite.reward.clevr_count import clevr_count_reward_fn
 from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
+from arealite.tasks import get_custom_dataset
+from arealite.tasks.clevr_count import clevr_count_reward_fn
 from arealite.utils.data import non_tensor_list
 from arealite.utils.vision import MM_KEY, load_vlm_processor
 from arealite.workflow.vision_rlvr import VisionRLVRWorkflow

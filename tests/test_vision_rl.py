@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arealite.dataset.clevr_count_70k import SYSTEM_PROMPT, fit_image, generate_synthetic_counting
 from arealite.server.protocol import BadRequest, parse_generate_request
+from arealite.tasks.clevr_count import SYSTEM_PROMPT, fit_image
+from arealite.tasks.synthetic_counting import generate_synthetic_counting
 from arealite.testing.tiny_vlm import IMAGE_PLACEHOLDER
 from arealite.utils.vision import image_to_base64, load_vlm_processor, mm_token_type_ids
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig, load_expr_config
 from arealite.api.lora_config import check_lora_models
-from arealite.api.reward_api import BUILTIN_REWARDS, RewardSpecError, resolve_reward, reward_specs
+from arealite.api.reward_api import RewardSpecError, reward_specs
 from arealite.api.rm_config import (
     BUILTIN_PREFERENCES,
     PreferenceFormatError,
@@ -20,6 +20,8 @@ from arealite.api.rm_config import (
     read_preference_rows,
 )
 from arealite.launcher.reward_probe import probe_rewards
+from arealite.reward.resolve import is_library_reward, resolve_reward
+from arealite.tasks import check_dataset_config, default_reward, first_reward_row
 
 # "org/name" (a hub id) rather than a filesystem path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -147,30 +149,24 @@ def resolve_models(config, script_args: list[str]) -> list[str]:
     return [*script_args, *overrides]
 
 
-def _dataset_layer():
-    """The dataset layer, imported by name: the launcher does not build rows itself (docs/design.md's
-    import rule), it only asks the layer the training script will use to open the data."""
-    return importlib.import_module("arealite.dataset")
-
-
 def check_task(config) -> None:
-    """The datasets open with the columns the run needs, and every reward imports with the
-    contract's signature (arealite/api/reward_api.py), before any server starts."""
+    """The datasets open with the columns the run needs (arealite/tasks/load.py), and every
+    reward imports with the contract's signature (arealite/api/reward_api.py), before any
+    server starts."""
     if isinstance(config, RMConfig):
         return check_preferences(config)
     kind = "sft" if isinstance(config, SFTConfig) else "rl"
-    dataset = _dataset_layer()
     for key in ("train_dataset", "valid_dataset"):
         cfg = getattr(config, key, None)
         if cfg is None or not cfg.path:
             continue
         try:
-            dataset.check_dataset_config(cfg, kind)
+            check_dataset_config(cfg, kind)
         except (ValueError, TypeError, OSError) as e:
             raise ConfigError(f"{key}.path={cfg.path!r}: {e}") from None
     if kind != "rl" or not hasattr(config, "reward"):
         return
-    reward = config.reward or dataset.default_reward(config.train_dataset.path)
+    reward = config.reward or default_reward(config.train_dataset.path)
     if reward is None and getattr(getattr(config, "agent", None), "command", None):
         return  # agent.command: the agent answers its own rewards
     if reward is None:
@@ -195,7 +191,6 @@ def check_rewards_call(config) -> None:
     library's own (built-in names, reward-model folders) are tested with the library."""
     if not isinstance(config, GRPOConfig):
         return
-    dataset = _dataset_layer()
     checks = []  # a built-in task's own reward (`reward:` unset) is the library's
     if config.reward:
         checks.append(("reward", config.reward, config.reward_weights, "train_dataset"))
@@ -204,12 +199,11 @@ def check_rewards_call(config) -> None:
         checks.append(("eval_reward", config.eval_reward, None, data_key))
     for key, value, weights, data_key in checks:
         cfg = getattr(config, data_key)
-        specs = [s for s, _ in reward_specs(value, weights)
-                 if s not in BUILTIN_REWARDS and not os.path.isdir(s)]  # fmt: skip
+        specs = [s for s, _ in reward_specs(value, weights) if not is_library_reward(s)]
         if not specs:
             continue
         try:
-            row = dataset.first_reward_row(cfg)
+            row = first_reward_row(cfg)
         except Exception as e:  # a built-in task that cannot load here: the run will say why
             print(f"preflight: {key} not called ({data_key} row 0 did not load: {e})")
             continue

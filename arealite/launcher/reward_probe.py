@@ -19,7 +19,8 @@ import traceback
 from typing import Any
 
 from arealite.api.config_loader import ConfigError
-from arealite.api.reward_api import CONTRACT_ARGS, resolve_reward
+from arealite.api.reward_api import CONTRACT_ARGS
+from arealite.reward.resolve import resolve_reward
 
 # Never row-dependent: the reward fails like this on every sample. Anything else raised on row 0
 # (a ValueError on an odd answer) is only printed: the run scores such samples 0, and stops if

@@ -1,43 +1,13 @@
-"""Reward functions: `reward_fn(prompt, completions, prompt_ids, completion_ids, **row) -> float`.
-Imports arealite.api and arealite.utils only. The contract, and how a config names a reward
-(`reward: my_file.py:score`, built-ins by short name), are in arealite/api/reward_api.py;
-`make_reward_pool(config.reward, config.reward_weights, ...)` builds what a workflow calls.
+"""Rewards at run time: a config's `reward:` spec resolved to a callable (resolve.py: built-ins
+by short name, `file.py:fn`, `pkg.module:fn`, a trained reward model via reward_model.py),
+wrapped as a ContractReward and run in worker processes with a timeout (pool.py);
+`make_reward_pool(config.reward, config.reward_weights, ...)` builds what a workflow awaits.
+The contract (the signature, the `Reward` base class) is arealite/api/reward_api.py; the
+built-in rewards live with their tasks in arealite/tasks/.
 
-`completions` is ONE completion string (the name follows AReaL); `row` is the dataset row, so
-`answer` arrives as a keyword. All functions are module-level, hence picklable into the reward
-process pool of the RLVR workflow.
+Imports arealite.api, arealite.utils and arealite.tasks (the built-in rewards by short name).
 """
 
-from __future__ import annotations
+from arealite.reward.resolve import make_reward_pool
 
-from collections.abc import Callable
-
-from arealite.reward.arith import arith_reward_fn
-from arealite.reward.clevr_count import clevr_count_reward_fn
-from arealite.reward.math_verify_reward import gsm8k_reward_fn, math_reward_fn
-from arealite.reward.task_reward import WeightedRewardPool, make_reward_pool
-
-__all__ = [
-    "REWARD_FNS",
-    "WeightedRewardPool",
-    "arith_reward_fn",
-    "clevr_count_reward_fn",
-    "get_reward_fn",
-    "gsm8k_reward_fn",
-    "make_reward_pool",
-    "math_reward_fn",
-]
-
-REWARD_FNS: dict[str, Callable[..., float]] = {
-    "arith": arith_reward_fn,
-    "clevr_count": clevr_count_reward_fn,
-    "gsm8k": gsm8k_reward_fn,
-    "math": math_reward_fn,
-}
-
-
-def get_reward_fn(name: str) -> Callable[..., float]:
-    """The reward function called `name` (arith | clevr_count | gsm8k | math)."""
-    if name not in REWARD_FNS:
-        raise ValueError(f"Unknown reward {name!r}; choose one of {sorted(REWARD_FNS)}")
-    return REWARD_FNS[name]
+__all__ = ["make_reward_pool"]

@@ -1,4 +1,6 @@
-"""Synthetic arithmetic: a task a ~3M-parameter model learns on a CPU in minutes.
+"""The `arith` task: synthetic arithmetic, which a ~3M-parameter model learns on a CPU in minutes.
+Its loader (`load`, settings in OPTIONS), its reward (`arith_reward_fn`, exact match) and its
+held-out rule (a hash of the expression) are all here.
 
 The prompt is the bare expression ("12+34=") and the answer its value in plain digits ("46"), so
 prompts are a handful of tokens (the tokenizer splits digits one by one) and the reward is an
@@ -10,6 +12,8 @@ how likely a prompt is to be solved.
 
 Train and held-out splits never share a problem: each expression belongs to one split by a hash
 of its text (`test_fraction` of the problem space is held out), whatever the seed or size.
+
+`ExactMatchReward` is shared with the counting tasks: the task only names its extractor.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import hashlib
 import itertools
 import logging
 import random
+import re
+from collections.abc import Callable
 from typing import Any
 
+from arealite.api.reward_api import Reward, RewardInput
 from arealite.dataset.common import sft_row
 
 logger = logging.getLogger("arealite.dataset")
 
+OPTIONS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix")
 HELD_OUT_SPLITS = ("test", "valid", "validation")
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated exactly
 _HASH_BUCKETS = 10_000
@@ -192,3 +200,46 @@ def get_arith_dataset(
             sft_row(tokenizer, [{"role": "user", "content": f"{e}="}], str(v)) for e, v in problems
         ]
     return datasets.Dataset.from_list(rows)
+
+
+def load(split: str, type: str, tokenizer: Any, processor: Any, **options: Any) -> Any:
+    """The task's rows (the registry's loader signature); `options` are OPTIONS."""
+    return get_arith_dataset(split, type, tokenizer, **options)
+
+
+# ----------------------------------------------------------------------------- reward
+
+_INT = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> int | None:
+    """The last (signed) integer in `text`, e.g. 46 in "12+34=46" or in "\\boxed{46}"."""
+    found = _INT.findall(text)
+    return int(found[-1]) if found else None
+
+
+class ExactMatchReward(Reward):
+    """1.0 if the value `extract` finds in the completion equals the one in row["answer"],
+    else 0.0.
+
+    A class rather than one function per task so the task only names its extractor; an
+    instance pickles (its extractor is a module-level function) for the reward worker processes.
+    `strict`: the reference answer must be exactly the extracted value (e.g. "16", not "x=16").
+    """
+
+    def __init__(self, name: str, extract: Callable[[str], int | None], strict: bool, why: str):
+        self.__name__ = self.name = name
+        self.extract, self.strict, self.why = extract, strict, why
+
+    def score(self, sample: RewardInput) -> float:
+        answer = sample.row.get("answer")
+        if answer is None:
+            raise ValueError(f"{self.name} needs the dataset row's 'answer' field")
+        gold = self.extract(str(answer))
+        if gold is None or (self.strict and str(gold) != str(answer).strip()):
+            raise ValueError(f"{self.name}: reference answer {answer!r} {self.why}")
+        return float(self.extract(sample.completion) == gold)
+
+
+# 1.0 if the completion's last integer equals row["answer"], else 0.0.
+arith_reward_fn = ExactMatchReward("arith_reward_fn", last_integer, True, "is not an integer")

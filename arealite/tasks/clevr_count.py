@@ -1,4 +1,5 @@
-"""CLEVR-Count-70k (vision counting) for RL and SFT, plus an offline synthetic stand-in.
+"""The `clevr_count_70k` task: vision counting (CLEVR-Count-70k) for RL and SFT; its reward is
+`clevr_count_reward_fn` (the last bracketed number), held out: the source's own splits.
 
 Source rows (HF `BUAADreamer/clevr_count_70k`, or a local copy) have `images` (list of images),
 `problem` ("<image>How many items are there in the image?") and `answer` ("3"). A local copy may
@@ -10,30 +11,29 @@ Rows are checked eagerly (cheap column scans, no image decoding) so a broken row
 naming its index and field; the per-row work (decode, resize, tokenize) runs lazily in a
 `with_transform`, so 70k images are never re-encoded up front.
 
-Offline: `write_synthetic_counting_dataset(dir, n, seed)` draws coloured circles and squares with
-Pillow and writes a directory this loader reads, so the whole vision path runs without a hub.
+Offline: the `synthetic_counting` task (synthetic_counting.py) draws a directory this loader
+reads, so the whole vision path runs without a hub.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
-import random
 import re
 from typing import Any
 
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from arealite.utils.vision import decode_image, image_to_base64
+from arealite.tasks.arith import ExactMatchReward
+from arealite.utils.vision import decode_image
 
 HF_DATASET_ID = "BUAADreamer/clevr_count_70k"
+OPTIONS = ("source",)
 IMAGE_TAG = "<image>"  # how source problems mark where an image goes
 SYSTEM_PROMPT = (
     "Count the number of items in the image and give the final answer in [ ] format, "
     "with only the number inside the brackets, e.g. [3]."
 )
-SYNTHETIC_PROBLEM = IMAGE_TAG + "How many objects are there in the image?"
 QWEN_IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 REQUIRED_FIELDS = ("images", "problem", "answer")
 
@@ -82,7 +82,8 @@ def _load_raw(path: str, split: str):
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(
             f"{path}: not a local file or directory, and HF_HUB_OFFLINE=1 forbids the hub; "
-            "write an offline copy with write_synthetic_counting_dataset(dir, n, seed)"
+            "write an offline copy with arealite.tasks.synthetic_counting"
+            ".write_synthetic_counting_dataset(dir, n, seed)"
         )
     return datasets.load_dataset(path, split=split)
 
@@ -258,116 +259,37 @@ def get_clevr_count_70k_sft_dataset(
     return ds.with_transform(transform)
 
 
-# ----------------------------------------------------------------------------- synthetic data
-
-_COLOURS = [
-    (220, 40, 40),
-    (40, 160, 60),
-    (40, 80, 220),
-    (230, 180, 20),
-    (160, 50, 200),
-    (20, 180, 190),
-]
-BACKGROUND = (235, 235, 235)
+def load(split, type, tokenizer, processor, rank=0, world_size=1, source: str | None = None):
+    """The task's rows (the registry's loader signature): the hub set, or a local copy."""
+    return load_counting(source or HF_DATASET_ID, split, type, processor, rank, world_size)
 
 
-def _place_boxes(rng: random.Random, k: int, image_size: int) -> list[tuple[int, int, int, int]]:
-    """k axis-aligned boxes at least 4 px apart, by rejection sampling (restarts if crowded)."""
-    lo, hi = max(6, image_size // 10), max(8, image_size // 5)
-    while True:
-        boxes: list[tuple[int, int, int, int]] = []
-        for _ in range(200 * k):
-            if len(boxes) == k:
-                return boxes
-            s = rng.randint(lo, hi)
-            x, y = rng.randint(2, image_size - s - 2), rng.randint(2, image_size - s - 2)
-            box = (x, y, x + s, y + s)
-            if all(_apart(box, b, gap=4) for b in boxes):
-                boxes.append(box)
-        if len(boxes) == k:
-            return boxes
+def load_counting(source: str, split: str, type: str, processor, rank: int, world_size: int):
+    """RL or SFT rows of a counting set in this format (`source`: a hub id or local copy)."""
+    need_processor(processor)
+    if type == "rl":
+        return get_clevr_count_70k_rl_dataset(source, split, processor, rank, world_size)
+    return get_clevr_count_70k_sft_dataset(source, split, processor, rank, world_size)
 
 
-def _apart(a, b, gap: int) -> bool:
-    return a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]
+def need_processor(processor) -> None:
+    if processor is None:
+        raise ValueError("vision dataset needs a processor (load_vlm_processor(path))")
 
 
-def draw_counting_image(
-    rng: random.Random, count: int, image_size: int = 112
-) -> tuple[Image.Image, list[dict]]:
-    """`count` separated circles/squares on a plain canvas; also returns what was drawn."""
-    image = Image.new("RGB", (image_size, image_size), BACKGROUND)
-    draw = ImageDraw.Draw(image)
-    objects = []
-    for box in _place_boxes(rng, count, image_size):
-        shape, colour = rng.choice(("circle", "square")), rng.choice(_COLOURS)
-        (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=colour)
-        objects.append({"shape": shape, "colour": colour, "box": box})
-    return image, objects
+# ----------------------------------------------------------------------------- reward
+
+_BRACKETED = re.compile(r"\[\s*(\d+)\s*\]")
+_NUMBER = re.compile(r"\d+")
 
 
-def generate_synthetic_counting(
-    n: int, seed: int, image_size: int = 112, max_objects: int = 6
-) -> list[dict]:
-    """n rows {"images": [PIL], "problem", "answer": str(count)} with 1..max_objects objects each."""
-    if max_objects < 1 or max_objects > (image_size // 20) ** 2:
-        raise ValueError(f"max_objects={max_objects} does not fit a {image_size}px canvas")
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        count = rng.randint(1, max_objects)
-        image, _ = draw_counting_image(rng, count, image_size)
-        rows.append({"images": [image], "problem": SYNTHETIC_PROBLEM, "answer": str(count)})
-    return rows
+def extract_count(text: str) -> int | None:
+    """The last bracketed number `[n]` if any, else the last number, else None."""
+    found = _BRACKETED.findall(text) or _NUMBER.findall(text)
+    return int(found[-1]) if found else None
 
 
-def write_synthetic_counting_dataset(
-    out_dir: str,
-    n: int,
-    seed: int,
-    split: str = "train",
-    image_size: int = 112,
-    max_objects: int = 6,
-    embed_images: bool = False,
-) -> str:
-    """Write `{out_dir}/{split}.jsonl` (+ PNGs under images/, or base64 inline) for the loader."""
-    os.makedirs(out_dir, exist_ok=True)
-    rows = generate_synthetic_counting(n, seed, image_size=image_size, max_objects=max_objects)
-    with open(os.path.join(out_dir, f"{split}.jsonl"), "w") as f:
-        for i, row in enumerate(rows):
-            refs = []
-            for j, image in enumerate(row["images"]):
-                if embed_images:
-                    refs.append(image_to_base64(image))
-                    continue
-                rel = os.path.join("images", f"{split}_{i}_{j}.png")
-                os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-                image.save(os.path.join(out_dir, rel))
-                refs.append(rel)
-            f.write(json.dumps({**row, "images": refs}) + "\n")
-    return out_dir
-
-
-def synthetic_counting_dir(
-    size: int, seed: int, split: str = "train", root: str | None = None
-) -> str:
-    """A directory holding the synthetic counting set (images inline as base64), written once
-    per (size, seed, split) under `root` (default: the system temp dir) and reused; every rank
-    and run derives the same rows, so concurrent writers race harmlessly (atomic rename).
-    Held-out splits use another seed, so they never repeat training rows."""
-    import shutil
-    import tempfile
-
-    split_seed = seed if split == "train" else seed + 1_000_003
-    root = root or os.path.join(tempfile.gettempdir(), "arealite_datasets")
-    path = os.path.join(root, f"clevr_count_70k_synth_n{size}_s{split_seed}_{split}")
-    if os.path.exists(os.path.join(path, f"{split}.jsonl")):
-        return path
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    write_synthetic_counting_dataset(tmp, size, split_seed, split=split, embed_images=True)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first: its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+# 1.0 if the extracted count equals row["answer"], else 0.0 (the model writes "... so [4]").
+clevr_count_reward_fn = ExactMatchReward(
+    "clevr_count_reward_fn", extract_count, False, "has no number"
+)

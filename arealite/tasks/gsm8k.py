@@ -1,9 +1,18 @@
-"""GSM8K grade-school math: from the hub (`openai/gsm8k`, config "main") or a local copy.
+"""The `gsm8k` task: grade-school math from the hub (`openai/gsm8k`, config "main") or a local
+copy (`options: {source: <path>}`); its reward is math-verify (`math_reward_fn`, also the
+built-in `reward: math_verify` for any math data); held out: `test` / `valid` / `validation`
+(the hub set's `test`).
 
 Local copies: a .jsonl / .json / .parquet file, or a directory holding `<split>*.jsonl|parquet`
 files (a hub snapshot's `main/train-00000-of-00001.parquet` works). Rows have "question" and
 "answer", where "answer" is a worked solution ending in "#### <number>".
 `write_synthetic_gsm8k_jsonl` writes such a file for offline tests and demos.
+
+math-verify checks answers by symbolic equality ("0.5", "1/2", "\\frac{1}{2}" agree) and bounds
+its parsing time with `signal.alarm`, which works only in a process's main thread. The RLVR
+workflow runs rewards in worker processes (a process pool, where each task runs in the worker's
+main thread), so timeouts stay on there; when called from any other thread they are off (the
+caller's own timeout must then cover a runaway parse).
 """
 
 from __future__ import annotations
@@ -13,11 +22,15 @@ import json
 import os
 import random
 import re
+import threading
 from typing import Any
+
+from math_verify import parse, verify
 
 from arealite.dataset.common import DatasetFormatError, require_fields, sft_row
 
 GSM8K_HUB_ID = "openai/gsm8k"
+OPTIONS = ("source",)
 INSTRUCTION = "\nPlease put your final answer within \\boxed{}."
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _HELD_OUT = ("test", "valid", "validation")
@@ -116,6 +129,50 @@ def get_gsm8k_dataset(path: str, split: str, type: str, tokenizer: Any = None) -
         keep_in_memory=True,
         load_from_cache_file=False,
     )
+
+
+def load(split: str, type: str, tokenizer: Any, processor: Any, source: str = GSM8K_HUB_ID):
+    """The task's rows (the registry's loader signature)."""
+    return get_gsm8k_dataset(source, split, type, tokenizer)
+
+
+# ----------------------------------------------------------------------------- reward
+
+PARSE_TIMEOUT_SECS = 5
+
+
+def _timeout() -> int | None:
+    return PARSE_TIMEOUT_SECS if threading.current_thread() is threading.main_thread() else None
+
+
+def verify_math(completion: str, answer: str) -> bool:
+    """True if the completion's final answer (its \\boxed{} if any, else the last expression
+    math-verify finds) equals `answer`. Unparseable text is simply wrong."""
+    timeout = _timeout()
+    gold = parse("\\boxed{" + str(answer).replace(",", "") + "}", parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    try:
+        pred = parse(completion, parsing_timeout=timeout)
+        return bool(pred) and verify(gold, pred, timeout_seconds=timeout)
+    except Exception:  # math-verify raises on pathological input (e.g. a timeout)
+        return False
+
+
+def math_reward_fn(
+    prompt: str,
+    completions: str,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    answer: str | None = None,
+    **row,
+) -> float:
+    """1.0 if the completion's final answer equals row["answer"] (math-verify), else 0.0. GSM8K
+    rows' answer is the number after '####' (extract_final_answer), which math-verify reads as
+    is."""
+    if answer is None:
+        raise ValueError("math_reward_fn needs the dataset row's 'answer' field")
+    return float(verify_math(completions, answer))
 
 
 # ----------------------------------------------------------------------------- synthetic file

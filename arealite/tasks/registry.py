@@ -1,89 +1,82 @@
-"""Built-in tasks by name: `train_dataset.path: arith` (or gsm8k, clevr_count_70k,
-synthetic_counting) picks an entry here; anything else is a file, a folder or a hub id read by
-the generic loader (sources.py + rows.py).
+"""The built-in tasks, by name: `train_dataset.path: arith` (or gsm8k, clevr_count_70k,
+synthetic_counting) picks an entry of TASKS; anything else is the user's own data, read by the
+generic loader (arealite/dataset/).
 
-An entry turns (split, type, tokenizer, processor, **options) into canonical rows; `options`
-are the task's own settings (`train_dataset.options: {max_digits: 1}` for arith), so the shared
-DatasetConfig holds nothing task-specific. `reward` is the built-in reward the task uses when
-the config names none. `aliases` are exact names (a hub id) that mean the same entry.
+An entry is the task: its loader turns (split, type, tokenizer, processor, **options) into
+canonical rows, `options` naming the task's own settings (`train_dataset.options:
+{max_digits: 1}` for arith, so the shared DatasetConfig holds nothing task-specific); its reward
+scores a completion (arealite/api/reward_api.py's contract) and is the run's reward when the
+config names none; `reward_names` are the short names a config's `reward:` may use for it
+(`reward: math_verify` on any math data). `aliases` are exact names (a hub id) that mean the
+same task.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import arealite.tasks.arith as arith
+import arealite.tasks.clevr_count as clevr_count
+import arealite.tasks.gsm8k as gsm8k
+import arealite.tasks.synthetic_counting as synthetic_counting
+
 
 @dataclass(frozen=True)
-class BuiltinTask:
+class Task:
     load: Callable[..., Any]  # (split, type, tokenizer, processor, **options) -> Dataset
-    reward: str | None  # short name in arealite.api.reward_api.BUILTIN_REWARDS
+    reward: Callable[..., float]  # the task's reward: the contract's signature
+    reward_names: tuple[str, ...]  # its short names in `reward:`; the first is the default
     options: tuple[str, ...]  # the option names `load` accepts
     aliases: tuple[str, ...] = field(default=())
     vision: bool = False  # rows carry images: needs a processor
     shards_itself: bool = False  # `load` takes rank / world_size (lazy image transforms)
 
 
-def _arith(split, type, tokenizer, processor, **options):
-    from arealite.dataset.arith import get_arith_dataset
-
-    return get_arith_dataset(split, type, tokenizer, **options)
-
-
-def _gsm8k(split, type, tokenizer, processor, source="openai/gsm8k"):
-    from arealite.dataset.gsm8k import get_gsm8k_dataset
-
-    return get_gsm8k_dataset(source, split, type, tokenizer)
-
-
-def _clevr(split, type, tokenizer, processor, rank=0, world_size=1, source=None, **synthetic):
-    from arealite.dataset import clevr_count_70k as clevr
-
-    if processor is None:
-        raise ValueError("vision dataset needs a processor (load_vlm_processor(path))")
-    if source is None:  # the offline synthetic stand-in
-        source = clevr.synthetic_counting_dir(
-            synthetic.get("size", 256), synthetic.get("seed", 0), split
-        )
-    if type == "rl":
-        return clevr.get_clevr_count_70k_rl_dataset(source, split, processor, rank, world_size)
-    return clevr.get_clevr_count_70k_sft_dataset(source, split, processor, rank, world_size)
+_COUNT = dict(vision=True, shards_itself=True)
+TASKS: dict[str, Task] = {
+    "arith": Task(arith.load, arith.arith_reward_fn, ("arith",), arith.OPTIONS),
+    "gsm8k": Task(gsm8k.load, gsm8k.math_reward_fn, ("math_verify", "gsm8k"), gsm8k.OPTIONS,
+                  aliases=(gsm8k.GSM8K_HUB_ID,)),
+    "clevr_count_70k": Task(clevr_count.load, clevr_count.clevr_count_reward_fn,
+                            ("clevr_count",), clevr_count.OPTIONS,
+                            aliases=(clevr_count.HF_DATASET_ID,), **_COUNT),
+    "synthetic_counting": Task(synthetic_counting.load, clevr_count.clevr_count_reward_fn,
+                               ("clevr_count",), synthetic_counting.OPTIONS, **_COUNT),
+}  # fmt: skip
 
 
-def _synthetic_counting(split, type, tokenizer, processor, rank=0, world_size=1, **options):
-    return _clevr(split, type, tokenizer, processor, rank, world_size, source=None, **options)
-
-
-def _clevr_hub(split, type, tokenizer, processor, rank=0, world_size=1, source=None):
-    from arealite.dataset.clevr_count_70k import HF_DATASET_ID
-
-    source = source or HF_DATASET_ID
-    return _clevr(split, type, tokenizer, processor, rank, world_size, source=source)
-
-
-ARITH_OPTIONS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix")
-
-BUILTIN_TASKS: dict[str, BuiltinTask] = {
-    "arith": BuiltinTask(_arith, "arith", ARITH_OPTIONS),
-    "gsm8k": BuiltinTask(_gsm8k, "math_verify", ("source",), aliases=("openai/gsm8k",)),
-    "clevr_count_70k": BuiltinTask(
-        _clevr_hub,
-        "clevr_count",
-        ("source",),
-        aliases=("BUAADreamer/clevr_count_70k",),
-        vision=True,
-        shards_itself=True,
-    ),  # fmt: skip
-    "synthetic_counting": BuiltinTask(
-        _synthetic_counting, "clevr_count", ("size", "seed"), vision=True, shards_itself=True
-    ),
-}
-
-
-def find_task(path: str) -> tuple[str, BuiltinTask] | None:
+def find_task(path: str) -> tuple[str, Task] | None:
     """(name, entry) of the built-in task `path` names exactly (name or alias), else None."""
-    for name, task in BUILTIN_TASKS.items():
+    for name, task in TASKS.items():
         if path == name or path in task.aliases:
             return name, task
     return None
+
+
+def builtin_reward(name: str) -> Callable[..., float] | None:
+    """The built-in reward a short name (`reward: arith`) means, else None."""
+    for task in TASKS.values():
+        if name in task.reward_names:
+            return task.reward
+    return None
+
+
+REWARD_NAMES = tuple(sorted({n for task in TASKS.values() for n in task.reward_names}))
+
+
+def default_reward(path: str) -> str | None:
+    """The short name of a built-in task's reward (None for user data: the config names one)."""
+    found = find_task(path)
+    return found[1].reward_names[0] if found else None
+
+
+def is_vision_dataset(path: str, model_path: str = "") -> bool:
+    """Rows carry images (the loop then needs the model's processor and a vision workflow): a
+    vision built-in task, or a local model folder with an image preprocessor."""
+    found = find_task(path)
+    if found is not None:
+        return found[1].vision
+    return os.path.isfile(os.path.join(model_path, "preprocessor_config.json"))
