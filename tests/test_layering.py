@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -56,9 +57,10 @@ def library_modules() -> dict[str, str]:
 MODULES = library_modules()
 
 
-def imported_modules(path: str) -> Iterator[tuple[str, int]]:
+def imported_modules(path: str, from_packages: bool = False) -> Iterator[tuple[str, int]]:
     """(arealite module, line) for every import in `path`; `from pkg import name` counts as
-    `pkg.name` when that is a module, else as `pkg`."""
+    `pkg.name` when that is a module, else as `pkg` (and as `pkg` too with `from_packages`:
+    the name is looked up in pkg's `__init__.py` first, a submodule or not)."""
     tree = ast.parse(open(path).read(), path)
     this = module_name(path)
     is_pkg = path.endswith("__init__.py")
@@ -76,6 +78,8 @@ def imported_modules(path: str) -> Iterator[tuple[str, int]]:
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 yield (sub if sub in MODULES else base), node.lineno
+                if from_packages and sub in MODULES:
+                    yield base, node.lineno
 
 
 def package_of(module: str) -> str | None:
@@ -102,11 +106,30 @@ def upward_imports(modules: dict[str, str]) -> list[str]:
     return errors
 
 
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_dependencies(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The modules importing `name` runs: what it imports, the package `__init__.py` files
+    above each of those (Python runs them first) unless they are `name`'s own, already being
+    imported, and the `__init__.py` a `from pkg import x` reads x from, its own included
+    (issue 24: arealite.dataset <-> arealite.dataset.registry was such a cycle)."""
+    own = set(_parents(name))
+    deps = set()
+    for target, _ in imported_modules(path):
+        deps.add(target)
+        deps.update(p for p in _parents(target) if p not in own)
+    deps.update(t for t, _ in imported_modules(path, from_packages=True))
+    return {d for d in deps if d in modules and d != name}
+
+
 def import_cycles(modules: dict[str, str]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    """Strongly connected components of more than one module (Tarjan's algorithm) over
+    import_dependencies, so a cycle through a package's `__init__.py` counts."""
     graph = {
-        name: sorted({t for t, _ in imported_modules(path) if t in modules and t != name})
-        for name, path in modules.items()
+        name: sorted(import_dependencies(name, path, modules)) for name, path in modules.items()
     }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -155,6 +178,33 @@ def sys_modules_lookups(modules: dict[str, str]) -> list[str]:
     return hits
 
 
+def _names_arealite(node: ast.AST) -> bool:
+    """A string (or an f-string's head) naming an arealite module."""
+    if isinstance(node, ast.JoinedStr) and node.values:
+        node = node.values[0]
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+        node.value == "arealite" or node.value.startswith("arealite.")
+    )  # fmt: skip
+
+
+def string_imports(modules: dict[str, str]) -> list[str]:
+    """`importlib.import_module("arealite...")`, `__import__("arealite...")` and
+    "arealite.pkg.module:name" specs: imports the checks above cannot see (issue 24). Import
+    such a module with an import statement, where the layering allows it."""
+    hits = []
+    for _, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            func = node.func if isinstance(node, ast.Call) else None
+            fname = getattr(func, "attr", None) or getattr(func, "id", None)
+            if fname in ("import_module", "__import__") and node.args:
+                if _names_arealite(node.args[0]):
+                    hits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"arealite(\.\w+)+:\w+", node.value):
+                    hits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return hits
+
+
 def test_no_upward_import():
     assert upward_imports(MODULES) == []
 
@@ -167,6 +217,10 @@ def test_no_import_cycle():
 
 def test_no_sys_modules_lookup():
     assert sys_modules_lookups(MODULES) == []
+
+
+def test_no_arealite_module_imported_by_a_string():
+    assert string_imports(MODULES) == []
 
 
 def test_library_never_imports_testing():
@@ -256,6 +310,33 @@ def test_the_checks_catch_violations(fake_root, monkeypatch):
     ]
     assert import_cycles(modules) == [["arealite.api.b", "arealite.api.c"]]
     assert sys_modules_lookups(modules) == ["arealite/engine/d.py:2"]
+    cyclic = _fake_tree(
+        fake_root,
+        {
+            "arealite/tasks/__init__.py": "from arealite.tasks.registry import TASKS\n",
+            "arealite/tasks/registry.py": "from arealite.tasks import arith\nTASKS = {}\n",
+            "arealite/tasks/arith.py": "from arealite.dataset.rows import rl_row\n",
+            "arealite/dataset/__init__.py": "",
+            "arealite/dataset/rows.py": "",
+            "arealite/reward/resolve.py": (
+                "import importlib\nm = importlib.import_module('arealite.reward.arith')\n"
+                "n = __import__(f'arealite.{m}')\nB = {'arith': 'arealite.reward.arith:fn'}\n"
+                "log = 'arealite.reward'\n"
+            ),
+        },
+    )
+    monkeypatch.setattr(f"{__name__}.MODULES", cyclic)
+    assert import_cycles(cyclic) == [["arealite.tasks", "arealite.tasks.registry"]]
+    assert import_dependencies("arealite.tasks.arith", cyclic["arealite.tasks.arith"], cyclic) == {
+        "arealite.dataset",
+        "arealite.dataset.rows",
+    }
+    assert string_imports(cyclic) == [
+        "arealite/reward/resolve.py:2",
+        "arealite/reward/resolve.py:3",
+        "arealite/reward/resolve.py:4",
+    ]
+    monkeypatch.setattr(f"{__name__}.MODULES", modules)
     long_body = "    x = 1\n" * 61
     big = _fake_tree(fake_root, {"arealite/utils/big.py": f"async def g():\n{long_body}"})
     assert oversized(big) == ["arealite/utils/big.py:g: function 62 lines"]
