@@ -1,14 +1,15 @@
 """The Ray backend of name resolve: entries in one named, detached Ray actor.
 
-For clusters without a shared filesystem (`cluster.name_resolve.type=ray`); the API, the keys
-and the file backend are in `name_resolve.py`. The actor's clock is the TTL clock.
+For clusters without a shared filesystem (`cluster.name_resolve.type=ray`); the contract is in
+`name_resolve_base.py`, the keys, the file backend and `make_repository` in `name_resolve.py`.
+The actor's clock is the TTL clock.
 """
 
 from __future__ import annotations
 
 import time
 
-from arealite.utils.name_resolve import NameResolveRepository, _under
+from arealite.utils.name_resolve_base import NameResolveRepository, _under
 
 __all__ = ["RayNameResolveRepository"]
 
