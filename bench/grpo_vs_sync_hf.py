@@ -42,7 +42,7 @@ def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:
     """The baseline: generate, score, one train step; seconds per step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arealite.dataset import get_custom_dataset
+    from arealite.tasks import get_custom_dataset
     from arealite.tasks.arith import arith_reward_fn
 
     torch.set_num_threads(threads)
