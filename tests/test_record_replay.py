@@ -115,7 +115,10 @@ def test_recording_rebuilds_the_batch_exactly(tmp_path):
     rec.write(0, batch, [{"query_id": "a"}, {"query_id": "b"}])
     rec.write(1, batch[:2], [{"query_id": "a"}])
     rec.write(1, batch[2:], [{"query_id": "b"}])  # step 1 again (a resumed run): last wins
+    rec.write(2, batch, [{"query_id": "a"}, {"query_id": "b"}])
     rec.close()
+    path = tmp_path / "episodes_rank0.jsonl"
+    path.write_text(path.read_text()[:-50])  # a crash while writing step 2: left out
     first = json.loads(open(tmp_path / "episodes_rank0.jsonl").readline())
     assert first["query_id"] == "a" and first["text"] == "3 4 5" and first["rewards"] == 1.0
     replay = RecordedBatches(str(tmp_path), 0)

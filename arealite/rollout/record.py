@@ -4,18 +4,20 @@ A recording is one JSON-lines file per trainer rank, `<dir>/episodes_rank<r>.jso
 per trajectory (one row of the batch a step trained on), appended and flushed step by step so
 a crash loses nothing already written:
 
-    {"step", "index" (row in the step's batch), "query_id", "text" (the decoded sequence),
+    {"step", "index" (row in the step's batch), "rows" (the batch's size), "query_id", "text",
      "input_ids", "loss_mask", "logprobs", "versions" (per token), "rewards",
      "seq_no_eos_mask", ..., "dtypes": {key: torch dtype}}
 
 `RecordedBatches` rebuilds a step's batch exactly as it was trained (same rows, same order,
 same dtypes and padding), so `mode: train_only` replays a run without inference servers. A
-step recorded twice (a resumed or re-run recording appends) is replayed from its last record.
+step recorded twice (a resumed or re-run recording appends) is replayed from its last record;
+a step cut short by a crash (a partial last line, missing rows) is left out.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +29,7 @@ from arealite.api.cli_args import ConfigError
 from arealite.utils.data import pad_sequences_to_tensors
 
 FILE_PATTERN = "episodes_rank{rank}.jsonl"
-META_KEYS = ("step", "index", "query_id", "text", "dtypes")
+logger = logging.getLogger("arealite.record")
 
 
 def record_path(record_dir: str, rank: int) -> str:
@@ -55,7 +57,8 @@ class EpisodeRecorder:
         lines = []
         for i in range(n):
             item = data[i // per_item] if per_item else {}
-            rec: dict[str, Any] = {"step": step, "index": i, "query_id": item.get("query_id")}
+            rec: dict[str, Any] = {"step": step, "index": i, "rows": n}
+            rec["query_id"] = item.get("query_id")
             rec["text"] = self.decode(batch["input_ids"][i, : lengths[i]].tolist())
             dtypes = {}
             for key, value in batch.items():
@@ -89,17 +92,28 @@ class RecordedBatches:
         self.path = check_recording(record_dir, world_size)
         self.steps: dict[int, list[dict[str, Any]]] = {}
         with open(record_path(record_dir, rank)) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line cut by a crash: only the last one can be
+            lines = f.read().split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                if n < len(lines):  # only the last line can be cut by a crash
                     raise ValueError(f"{f.name}:{n}: not a JSON line") from None
-                rows = self.steps.setdefault(rec["step"], [])
-                if rec["index"] == 0:
-                    rows.clear()  # a step recorded again: its last record wins
-                rows.append(rec)
+                logger.warning(
+                    "%s: a partial last line (a crash while recording): left out", f.name
+                )
+                continue
+            rows = self.steps.setdefault(rec["step"], [])
+            if rec["index"] == 0:
+                rows.clear()  # a step recorded again: its last record wins
+            rows.append(rec)
+        for step, rows in list(self.steps.items()):
+            if len(rows) != rows[0]["rows"]:
+                logger.warning("%s: step %d has %d of its %d rows: left out", f.name, step,
+                               len(rows), rows[0]["rows"])  # fmt: skip
+                del self.steps[step]
         if not self.steps:
             raise ConfigError(f"rollout.record={record_dir!r}: {f.name} holds no episodes")
 
