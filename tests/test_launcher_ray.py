@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from test_launcher_slurm import GRPO_SMALL, check_grpo_metrics, wait_for_files
+from test_launcher_slurm import GRPO_SMALL, check_grpo_metrics, check_two_ranks, wait_for_files
 
 from arealite.utils.network import find_free_port
 
@@ -101,11 +101,7 @@ def test_two_ranks_get_the_torchrun_environment(tmp_path, tiny_model_dir, ray_ad
     p = launch([*args, f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     run_dir = tmp_path / "ray" / "t"
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == [
-        ("0", "0", "2"),
-        ("1", "1", "2"),
-    ]
+    ranks = check_two_ranks(run_dir)
     assert ranks[0]["MASTER_PORT"] == ranks[1]["MASTER_PORT"]
     assert "[rank1] rank 1 ok" in p.stdout  # forwarded to the launcher's stdout
     assert "rank 0 ok" in (run_dir / "logs" / "rank0.log").read_text()

@@ -181,6 +181,14 @@ def base_args(script, tmp_path, trial="t"):
     ]  # fmt: skip
 
 
+def check_two_ranks(run_dir) -> list[dict]:
+    """The rank probe's files of a two-rank run: torchrun's RANK / LOCAL_RANK / WORLD_SIZE."""
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    expected = [("0", "0", "2"), ("1", "1", "2")]
+    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == expected
+    return ranks
+
+
 def two_rank_args(script, tmp_path, model):
     """An SFT-style (train-only) run of `script` on two trainer ranks."""
     return [*base_args(script, tmp_path), f"model.path={model}", "allocation_mode=d2p1t1"]
@@ -224,11 +232,7 @@ def test_two_ranks_through_sbatch(slurm, tmp_path, tiny_model_dir):
     p = launch(two_rank_args(RANK_PROBE, tmp_path, tiny_model_dir))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     run_dir = tmp_path / "slurm" / "t"
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert [(r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) for r in ranks] == [
-        ("0", "0", "2"),
-        ("1", "1", "2"),
-    ]
+    check_two_ranks(run_dir)
     assert "rank 1 ok" in p.stdout  # the trainer's log, followed to the launcher's stdout
     assert (run_dir / "slurm" / "trainer.sbatch").read_text().startswith("#!")
     assert not our_jobs(tmp_path)
