@@ -125,10 +125,7 @@ class PPOActorConfig(TrainEngineConfig):
 
     preset: Optional[PresetName] = field(
         default=None,
-        metadata=_help(
-            "Apply a named algorithm's defaults (arealite/api/presets.py) before validation. "
-            "Explicit fields in the YAML still win."
-        ),
+        metadata=_help("A named algorithm's defaults (api/presets.py); explicit keys still win."),
     )
     group_size: int = field(
         default=1, metadata=derived_from("gconfig.n_samples", "Samples per prompt (GRPO group).")
