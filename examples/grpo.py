@@ -47,6 +47,8 @@ from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
 from arealite.workflow.vision_rlvr import VisionRLVRWorkflow
 
+REWARD_IN_POOL = None  # a workflow's `reward_fn`: the reward runs in its `reward_pool` instead
+
 
 def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, processor=None):
     """This rank's share of a dataset, in rows (the workflow tokenizes)."""
@@ -91,7 +93,7 @@ def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None
     reward = (config.eval_reward, None) if config.eval_reward else reward_of(config)
     pool = reward_pool_of(*reward, workers=1, timeout=config.rollout.reward_timeout,
                           fail_fast=config.rollout.reward_fail_fast())  # fmt: skip
-    workflow = workflow_cls(None, gconfig, processor or tokenizer, reward_pool=pool)
+    workflow = workflow_cls(REWARD_IN_POOL, gconfig, processor or tokenizer, reward_pool=pool)
 
     def accuracy() -> float:
         batch = executor.rollout_batch(rows, workflow)
@@ -161,7 +163,7 @@ class ServerRollouts:
                                           timeout=rollout_cfg.reward_timeout,
                                           fail_fast=rollout_cfg.reward_fail_fast())  # fmt: skip
         self.workflow = workflow_cls(
-            None, config.gconfig, processor or tokenizer, reward_pool=self.reward_pool,
+            REWARD_IN_POOL, config.gconfig, processor or tokenizer, reward_pool=self.reward_pool,
             dump_dir=os.path.join(config.run_dir, "rollouts") if rank == 0 else None,
         )  # fmt: skip
         self.group_filter = None  # DAPO's dynamic sampling: equal-reward groups resampled
@@ -233,14 +235,14 @@ class Trainers:
     @classmethod
     def build(cls, config, ft_spec):
         actor = FSDPPPOActor(config.actor, max_response_len=config.gconfig.max_new_tokens)
-        actor.initialize(None, ft_spec)
+        actor.initialize(ft_spec=ft_spec)
         ref = critic = None
         if config.ref is not None:
             ref = FSDPPPOActor(dataclasses.replace(config.ref, optimizer=None))
-            ref.initialize(None, ft_spec)
+            ref.initialize(ft_spec=ft_spec)
         if config.critic is not None:
             critic = FSDPPPOCritic(config.critic)
-            critic.initialize(None, ft_spec)
+            critic.initialize(ft_spec=ft_spec)
         warmup = config.critic.warmup_steps if critic is not None else 0
         return cls(actor, ref, critic, warmup)
 
