@@ -13,12 +13,12 @@ script with only `base_url` changed. Held-out success is measured greedily on th
 import atexit
 import logging
 import os
-import runpy
 import secrets
 import subprocess
 import sys
 
 from agent_arith_openai import last_integer, solve
+from grpo import main as grpo_main  # the GRPO loop; this folder is on sys.path
 
 from arealite.agent import AgentWorkflow
 from arealite.agent.proxy import AgentProxy
@@ -42,7 +42,8 @@ def start_proxy(tokenizer, gconfig):
     url = proxy.start()
     script = os.path.join(HERE, "agent_arith_openai.py")
     agents = subprocess.Popen(
-        [sys.executable, script, "--proxy", url, "--key", key, "--workers", str(AGENT_WORKERS)]
+        [sys.executable, script, "--proxy", url, "--workers", str(AGENT_WORKERS)],
+        env={**os.environ, "OPENAI_API_KEY": key},  # never on the command line
     )
     atexit.register(agents.terminate)
     atexit.register(proxy.stop)
@@ -63,5 +64,4 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
     grpo_main(sys.argv[1:], workflow_cls=make_workflow)

@@ -5,13 +5,16 @@ MAX_TURNS); it returns 1.0 on a correct answer, else 0.0. The trainer discounts 
 In-process it runs on arealite's TrainingOpenAIClient (examples/agent_arith.py); as a separate
 process it trains through the AgentProxy, changing only `base_url`:
 
-    python examples/agent_arith_openai.py --proxy http://127.0.0.1:PORT --key KEY --workers 16
+    OPENAI_API_KEY=KEY python examples/agent_arith_openai.py --proxy http://127.0.0.1:PORT --workers 16
+
+The key comes from the environment (OPENAI_API_KEY), never from the command line (`ps` shows it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 
 import openai
@@ -61,12 +64,13 @@ async def _worker(proxy: str, key: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--proxy", required=True, help="AgentProxy URL")
-    p.add_argument("--key", default="", help="the proxy's API key")
     p.add_argument("--workers", type=int, default=16, help="concurrent sessions")
     a = p.parse_args()
 
     async def run():
-        await asyncio.gather(*(_worker(a.proxy, a.key) for _ in range(a.workers)))
+        await asyncio.gather(
+            *(_worker(a.proxy, os.environ.get("OPENAI_API_KEY", "")) for _ in range(a.workers))
+        )
 
     asyncio.run(run())
 

@@ -26,13 +26,10 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import re
-import runpy
 import shutil
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # A compact schema: the tiny model copies the call's JSON token by token, so short names help.
 CALCULATOR = {
     "type": "function",
@@ -290,7 +287,8 @@ def main() -> None:
         a = p.parse_args()
         sft(a)
         return
-    grpo_main = runpy.run_path(os.path.join(HERE, "grpo.py"))["main"]  # the generic GRPO loop
+    from grpo import main as grpo_main  # the GRPO loop; this folder is on sys.path
+
     grpo_main(sys.argv[1:], workflow_cls=make_workflow)
 
 
