@@ -18,35 +18,43 @@ READY_MARKER = "arealite server ready"
 API_KEY_ENV = "AREAL_SERVER_API_KEY"  # how launchers hand the key to servers and trainers
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m arealite.server", description=__doc__.splitlines()[0]
-    )
-    p.add_argument(
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--model-path",
         required=True,
         help="HF causal LM or vision-language model directory (weights + tokenizer)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument(
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
     )
-    p.add_argument(
+    g.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
+    g.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    )
+
+
+def _add_http_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    g.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    g.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' (not on /health); default ${API_KEY_ENV}",
     )
-    p.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
-    p.add_argument(
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _add_engine_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--max-batch-size", type=int, default=64, help="most rows decoded together")
+    g.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=16384,
         help="cap on padded prompt tokens prefilled in one step (bounds memory on long prompts)",
     )
-    p.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
-    p.add_argument(
+    g.add_argument("--weight-version", type=int, default=0, help="version of the initial weights")
+    g.add_argument(
         "--allowed-weight-roots",
         action="extend",
         nargs="+",
@@ -55,13 +63,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="update_weights_from_disk refuses paths outside these with 403 (repeatable; "
         "default: the --model-path folder; '/' allows any)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling RNG seed")
-    p.add_argument(
-        "--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    g.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    g.add_argument("--log-level", default="INFO")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The server's options, checked up front: a bad value fails here with a usage message,
+    not later inside the scheduler, and a non-loopback bind without an API key is refused."""
+    p = argparse.ArgumentParser(
+        prog="python -m arealite.server", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _add_model_args(p.add_argument_group("model"))
+    _add_http_args(p.add_argument_group("HTTP"))
+    _add_engine_args(p.add_argument_group("batching, weights and logging"))
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         p.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from arealite.server.kv_batch import RunningBatch, keep_rows, merge_batches
 from arealite.server.protocol import GenerateRequest
-from arealite.server.sampling import SamplingTensors, sample_next_tokens
+from arealite.server.sampling import SamplingTensors, sample_next_tokens, top_logprobs
 from arealite.utils.hardware import resolve_dtype
 
 logger = logging.getLogger("arealite.server")
@@ -56,16 +56,6 @@ class Sequence:
             self.finish_reason = {"type": "length", "length": p.max_new_tokens}
 
 
-@dataclass
-class _Batch:
-    seqs: list[Sequence]
-    cache: object  # transformers DynamicCache
-    attention_mask: torch.Tensor  # [B, L] long, 0 on left padding
-    positions: torch.Tensor  # [B] position id of each row's pending (last sampled) token
-    last_tokens: torch.Tensor  # [B]
-    sampling: SamplingTensors | None = None
-
-
 def server_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 where `device` multiplies it natively, else fp32 (never fp16 silently); a
     bf16 checkpoint on an AVX2-only CPU is served in fp32, ~50x faster than emulated bf16."""
@@ -95,7 +85,7 @@ class ModelRunner:
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
         self.eos_ids = self._eos_ids()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.batch: _Batch | None = None
+        self.batch: RunningBatch | None = None
         self._mergeable: bool | None = None
 
     def _eos_ids(self) -> frozenset[int]:
@@ -130,7 +120,7 @@ class ModelRunner:
             self._decode(self.batch)
         if new:
             joined = self._prefill(new)
-            self.batch = joined if self.batch is None else self._merge(self.batch, joined)
+            self.batch = joined if self.batch is None else merge_batches(self.batch, joined)
         return self._drop(lambda s: s.finish_reason is not None)
 
     def abort(self, hit: Callable[[Sequence], bool], message: str) -> list[Sequence]:
@@ -141,7 +131,9 @@ class ModelRunner:
                     s.finish_reason = {"type": "abort", "message": message}
         return self._drop(lambda s: s.finish_reason is not None)
 
-    def _forward(self, batch: _Batch, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra):
+    def _forward(
+        self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra
+    ):
         out = self.model(
             input_ids=input_ids,
             attention_mask=batch.attention_mask,
@@ -161,7 +153,7 @@ class ModelRunner:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return positions, mask.sum(-1), {}
 
-    def _prefill(self, seqs: list[Sequence]) -> _Batch:
+    def _prefill(self, seqs: list[Sequence]) -> RunningBatch:
         from transformers import DynamicCache
 
         lens = [len(s.req.input_ids) for s in seqs]
@@ -173,7 +165,7 @@ class ModelRunner:
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions, next_positions, extra = self._prefill_inputs(seqs, ids, mask)
-        batch = _Batch(
+        batch = RunningBatch(
             seqs=seqs,
             cache=DynamicCache(config=self.model.config),
             attention_mask=mask,
@@ -188,14 +180,14 @@ class ModelRunner:
         self._sample(batch, logits)
         return batch
 
-    def _decode(self, batch: _Batch) -> None:
+    def _decode(self, batch: RunningBatch) -> None:
         ones = batch.attention_mask.new_ones((len(batch.seqs), 1))
         batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
         logits = self._forward(batch, batch.last_tokens[:, None], batch.positions[:, None])
         batch.positions = batch.positions + 1
         self._sample(batch, logits)
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
+    def _sample(self, batch: RunningBatch, logits: torch.Tensor) -> None:
         if batch.sampling is None:
             batch.sampling = SamplingTensors.build(
                 [s.req.params for s in batch.seqs], logits.shape[-1], self.device
@@ -207,24 +199,11 @@ class ModelRunner:
             logits, batch.sampling, self.generator, self._banned(batch.seqs, logits), positions
         )
         batch.last_tokens = tokens
-        self._record_top_logprobs(batch, logits)
+        ks = [s.top_logprobs for s in batch.seqs]
+        for row, pairs in top_logprobs(logits, batch.sampling.temperature, ks).items():
+            batch.seqs[row].output_top_logprobs.append(pairs)
         for s, t, lp in zip(batch.seqs, tokens.tolist(), logprobs.tolist()):
             s.append(t, lp)
-
-    def _record_top_logprobs(self, batch: _Batch, logits: torch.Tensor) -> None:
-        """The k most likely tokens of the distribution the logprobs describe, for the rows
-        that asked (OpenAI `top_logprobs`); rows that did not ask cost nothing."""
-        rows = [i for i, s in enumerate(batch.seqs) if s.top_logprobs > 0]
-        if not rows:
-            return
-        index = torch.tensor(rows, device=logits.device)
-        temperature = batch.sampling.temperature[index][:, None]
-        logprobs = torch.log_softmax(logits[index].float() / temperature, dim=-1)
-        k = min(max(batch.seqs[i].top_logprobs for i in rows), logprobs.shape[-1])
-        values, ids = logprobs.topk(k, dim=-1)
-        for row, vals, toks in zip(rows, values.tolist(), ids.tolist()):
-            s = batch.seqs[row]
-            s.output_top_logprobs.append(list(zip(toks, vals))[: s.top_logprobs])
 
     def _banned(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor | None:
         """Stop tokens may not be drawn before a row's min_new_tokens (SGLang semantics)."""
@@ -241,29 +220,8 @@ class ModelRunner:
         return banned.to(logits.device)
 
     # ---- batch surgery --------------------------------------------------------------------
-    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
-        """Concatenate two batches along rows, left-padding the shorter cache with masked zeros."""
-        width = max(a.attention_mask.shape[1], b.attention_mask.shape[1])
-
-        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-            missing = width - t.shape[-dim_from_end]
-            if missing == 0:
-                return t
-            spec = [0, 0] * (dim_from_end - 1) + [missing, 0]
-            return F.pad(t, spec)
-
-        for la, lb in zip(a.cache.layers, b.cache.layers):
-            la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)])
-            la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)])
-        return _Batch(
-            seqs=a.seqs + b.seqs,
-            cache=a.cache,
-            attention_mask=torch.cat([pad(a.attention_mask, 1), pad(b.attention_mask, 1)]),
-            positions=torch.cat([a.positions, b.positions]),
-            last_tokens=torch.cat([a.last_tokens, b.last_tokens]),
-        )
-
     def _drop(self, finished) -> list[Sequence]:
+        """Take the rows `finished` selects out of the running batch and return them."""
         batch = self.batch
         if batch is None:
             return []
@@ -274,21 +232,7 @@ class ModelRunner:
             self.batch = None
             return done
         keep_list = [i for i, s in enumerate(batch.seqs) if not finished(s)]
-        keep = torch.tensor(keep_list, device=self.device)
-        mask = batch.attention_mask[keep]
-        start = int(mask.any(dim=0).int().argmax()) if self._mergeable else 0
-        batch.cache.batch_select_indices(keep)
-        if start > 0:  # drop columns that are padding for every remaining row
-            for layer in batch.cache.layers:
-                layer.keys = layer.keys[:, :, start:]
-                layer.values = layer.values[:, :, start:]
-        self.batch = _Batch(
-            seqs=[batch.seqs[i] for i in keep_list],
-            cache=batch.cache,
-            attention_mask=mask[:, start:],
-            positions=batch.positions[keep],
-            last_tokens=batch.last_tokens[keep],
-        )
+        self.batch = keep_rows(batch, keep_list, trim_padding=bool(self._mergeable))
         return done
 
     # ---- weights --------------------------------------------------------------------------

@@ -97,6 +97,24 @@ def sample_next_tokens(
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
+def top_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor, ks: list[int]
+) -> dict[int, list[tuple[int, float]]]:
+    """Row -> its ks[row] most likely (token, logprob) pairs of the distribution the logprobs
+    describe (OpenAI `top_logprobs`), for the rows with ks[row] > 0; the others cost nothing."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    if not rows:
+        return {}
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float() / temperature[index][:, None], dim=-1)
+    k = min(max(ks[i] for i in rows), logprobs.shape[-1])
+    values, ids = logprobs.topk(k, dim=-1)
+    return {
+        row: list(zip(toks, vals))[: ks[row]]
+        for row, vals, toks in zip(rows, values.tolist(), ids.tolist())
+    }
+
+
 _MASK64 = (1 << 64) - 1
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from arealite.server.aborts import PendingAborts
 from arealite.server.metrics import ServerMetrics
 from arealite.server.model_runner import ModelRunner, Sequence
 
@@ -33,6 +34,20 @@ def _settle(fut: Future, result: Any = None, error: BaseException | None = None)
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def pop_admissible(waiting: deque[Sequence], room: int, max_prefill_tokens: int) -> list[Sequence]:
+    """FIFO, up to `room` rows and a padded prefill of at most `max_prefill_tokens` (always at
+    least one request, however long, so nothing starves)."""
+    admitted: list[Sequence] = []
+    width = 0
+    while waiting and len(admitted) < room:
+        new_width = max(width, len(waiting[0].req.input_ids))
+        if admitted and new_width * (len(admitted) + 1) > max_prefill_tokens:
+            break
+        admitted.append(waiting.popleft())
+        width = new_width
+    return admitted
 
 
 class Scheduler:
@@ -59,10 +74,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._futures: dict[int, Future] = {}  # id(seq) -> future; touched under _cond
-        self._to_abort_waiting: list[Sequence] = []
-        self._abort_all = False
-        self._abort_rids: set[str] = set()
-        self._abort_ids: set[int] = set()  # id(seq) of single submissions to abort
+        self._aborts = PendingAborts()
         self._pause_acks: list[Future] = []
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = False
@@ -94,26 +106,19 @@ class Scheduler:
     def abort(self, rid: str | None) -> None:
         """Abort one request id (waiting or running), or everything when rid is None."""
         with self._cond:
-            self._abort_waiting_where(lambda s: rid is None or s.rid == rid)
             if rid is None:
-                self._abort_all = True
+                self._aborts.abort_everything(self._waiting)
             else:
-                self._abort_rids.add(rid)
+                self._aborts.pull_waiting(self._waiting, lambda s: s.rid == rid)
+                self._aborts.rids.add(rid)
             self._cond.notify()
 
     def abort_sequence(self, seq: Sequence) -> None:
         """Abort exactly this submission (its client left; a retry may reuse the rid)."""
         with self._cond:
-            if not self._abort_waiting_where(lambda s: s is seq):
-                self._abort_ids.add(id(seq))
+            if not self._aborts.pull_waiting(self._waiting, lambda s: s is seq):
+                self._aborts.ids.add(id(seq))
             self._cond.notify()
-
-    def _abort_waiting_where(self, hit) -> bool:
-        found = [s for s in self._waiting if hit(s)]
-        for s in found:
-            self._waiting.remove(s)
-        self._to_abort_waiting.extend(found)
-        return bool(found)
 
     def pause(self) -> Future:
         """Abort all in-flight requests and hold new ones; resolves once nothing is running."""
@@ -121,9 +126,7 @@ class Scheduler:
         with self._cond:
             self._paused = True
             self.metrics.paused = True
-            self._to_abort_waiting.extend(self._waiting)
-            self._waiting.clear()
-            self._abort_all = True
+            self._aborts.abort_everything(self._waiting)
             self._pause_acks.append(fut)
             self._cond.notify()
         return fut
@@ -158,10 +161,7 @@ class Scheduler:
         running = self.runner.num_running
         return bool(
             self._stopping
-            or self._abort_all
-            or self._abort_rids
-            or self._abort_ids
-            or self._to_abort_waiting
+            or self._aborts
             or self._pause_acks
             or running
             or (self._jobs and not running)
@@ -190,25 +190,11 @@ class Scheduler:
 
     def _take_aborts(self) -> list[Sequence]:
         """Under the lock: collect waiting and running sequences that must end now as aborted."""
-        aborted = self._to_abort_waiting
-        self._to_abort_waiting = []
-        for s in aborted:  # no tokens: the answer reports the weights this server serves now
-            s.finish_reason = {"type": "abort", "message": "aborted before it started"}
-            s.weight_version = self.weight_version
-        if self._abort_all or self._abort_rids or self._abort_ids:
-            every, rids, ids = self._abort_all, self._abort_rids, self._abort_ids
-            aborted += self.runner.abort(
-                lambda s: every or s.rid in rids or id(s) in ids,
-                "aborted by pause_generation, abort_request or a client disconnect",
-            )
-        self._abort_all, self._abort_rids, self._abort_ids = False, set(), set()
-        return aborted
+        return self._aborts.take(self.runner, self.weight_version)
 
     def _take_aborts_for_shutdown(self) -> list[Sequence]:
         with self._cond:
-            self._to_abort_waiting.extend(self._waiting)
-            self._waiting.clear()
-            self._abort_all = True
+            self._aborts.abort_everything(self._waiting)
             return self._take_aborts()
 
     def _admit(self) -> list[Sequence]:
@@ -218,22 +204,10 @@ class Scheduler:
                 return []
             if self.runner.num_running == 0:
                 self._gather_burst()
-            admitted = self._pop_admissible(self.max_batch_size - self.runner.num_running)
+            room = self.max_batch_size - self.runner.num_running
+            admitted = pop_admissible(self._waiting, room, self.max_prefill_tokens)
         for s in admitted:
             s.weight_version = self.weight_version
-        return admitted
-
-    def _pop_admissible(self, room: int) -> list[Sequence]:
-        """FIFO, up to `room` rows and a padded prefill of at most max_prefill_tokens
-        (always at least one request, however long, so nothing starves)."""
-        admitted: list[Sequence] = []
-        width = 0
-        while self._waiting and len(admitted) < room:
-            new_width = max(width, len(self._waiting[0].req.input_ids))
-            if admitted and new_width * (len(admitted) + 1) > self.max_prefill_tokens:
-                break
-            admitted.append(self._waiting.popleft())
-            width = new_width
         return admitted
 
     def _gather_burst(self) -> None:
