@@ -7,14 +7,13 @@ Built by the training script on an inference engine:
     batch = executor.prepare_batch(train_loader, workflow)   # async, staleness-bounded
     executor.pause(); ...update weights...; executor.set_version(v); executor.resume()
 
-Episodes run on the executor's own asyncio loop thread, so the trainer's thread only submits
-data and collects finished batches. Admission follows `StalenessController` (staleness.py);
+Episodes run on the executor's own asyncio loop thread (`EpisodeLoop`, episode_loop.py), so the
+trainer's thread only submits data and collects finished batches. Admission follows `StalenessController` (staleness.py);
 recovery replays pulled-but-untrained dataloader items (replay.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import queue
@@ -26,19 +25,17 @@ from typing import TYPE_CHECKING, Any
 from tensordict import TensorDict
 
 from arealite.api.workflow_api import RolloutWorkflow
-from arealite.rollout.episodes import Episode, EpisodeBook, Group, run_episode
+from arealite.rollout.episode_loop import POLL_S, EpisodeLoop
+from arealite.rollout.episodes import Episode, EpisodeBook, Group
 from arealite.rollout.replay import DataloaderFeed
 from arealite.rollout.staleness import StalenessController
 from arealite.utils.data import concat_padded_tensors
-from arealite.utils.loop_thread import LoopThread
 
 if TYPE_CHECKING:
     from arealite.api.cli_args import InferenceEngineConfig
     from arealite.api.engine_api import InferenceEngine
 
 logger = logging.getLogger("arealite.rollout")
-
-POLL_S = 1.0  # fallback wake-up of the loop and of waiting callers
 
 
 class WorkflowExecutor:
@@ -62,13 +59,11 @@ class WorkflowExecutor:
         self.feed = DataloaderFeed()
         self._book = EpisodeBook(self.feed)
         self._cond = self._book.cond  # guards the counters, results, errors and _paused
-        self._input: queue.Queue[Episode] = queue.Queue(maxsize=self.queue_size)
-        self._tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly
         self._paused = False
-        self._exiting = False
-        self._loop = LoopThread("arealite-rollout")
-        self._wakeup: asyncio.Event | None = None
-        self._loop_error: BaseException | None = None
+        self._runner = EpisodeLoop(
+            engine, self._book, self.queue_size, self.get_capacity, lambda: self._paused
+        )
+        self._input = self._runner.input  # episodes waiting to start
         # Data items of the episodes the last wait() / rollout_batch() returned, in order.
         self.last_batch_data: list[Any] = []
 
@@ -80,37 +75,22 @@ class WorkflowExecutor:
             raise ValueError(
                 f"train_data_parallel_size must be >= 1, got {train_data_parallel_size}"
             )
-        if self._loop.loop is not None:
+        if self._runner.started:
             raise RuntimeError("WorkflowExecutor.initialize() called twice")
         self.staleness = dataclasses.replace(self.staleness, world_size=train_data_parallel_size)
-        self._loop.start()
-        self._loop.run(self._schedule()).add_done_callback(self._on_loop_exit)
+        self._runner.start()
 
     def destroy(self, timeout: float = 30.0) -> None:
         """Cancel every running episode, stop the loop and join its thread."""
-        with self._cond:
-            self._exiting = True
-            self._cond.notify_all()
-        self._loop.stop(timeout)
-        with self._cond:
-            self._cond.notify_all()
+        self._runner.stop(timeout)
 
     @property
     def running(self) -> bool:
-        return self._loop.running and not self._exiting and self._loop_error is None
+        return self._runner.running
 
     def notify(self) -> None:
         """Re-evaluate capacity now (version changed, resumed, results consumed, ...)."""
-        ev = self._wakeup
-        if ev is not None:
-            self._loop.call_soon(ev.set)
-
-    def _on_loop_exit(self, fut) -> None:
-        if not fut.cancelled() and fut.exception() is not None:  # surfaced to wait()/submit()
-            logger.error("rollout loop crashed", exc_info=fut.exception())
-            self._loop_error = fut.exception()
-        with self._cond:
-            self._cond.notify_all()
+        self._runner.notify()
 
     # ------------------------------------------------------------------ versions and capacity
 
@@ -145,25 +125,10 @@ class WorkflowExecutor:
         self._submit(Episode(data, workflow, should_accept))
 
     def _submit(self, ep: Episode) -> None:
-        self._check_alive()
+        self._runner.check_alive()
         if not isinstance(ep.workflow, RolloutWorkflow):
             raise TypeError(f"workflow must be a RolloutWorkflow, got {type(ep.workflow).__name__}")
-        try:
-            self._input.put_nowait(ep)
-        except queue.Full:
-            raise queue.Full(
-                f"rollout input queue is full ({self.queue_size} episodes waiting to start); "
-                "raise rollout.queue_size or collect results with wait() first"
-            ) from None
-        with self._cond:
-            self._book.stat.submitted += 1
-        self.notify()
-
-    def _check_alive(self) -> None:
-        if self._loop_error is not None:
-            raise RuntimeError("rollout loop crashed") from self._loop_error
-        if not self.running:
-            raise RuntimeError("WorkflowExecutor is not running; call initialize() first")
+        self._runner.submit(ep)
 
     # ------------------------------------------------------------------ collection
 
@@ -185,7 +150,7 @@ class WorkflowExecutor:
                 if len(self._book.results) >= count:
                     out, self.last_batch_data = self._book.take(count)
                     break
-                self._raise_if_stopped()
+                self._runner.raise_if_stopped()
                 remaining = POLL_S if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
@@ -195,12 +160,6 @@ class WorkflowExecutor:
                 self._cond.wait(min(remaining, POLL_S))
         self.notify()  # room in the output buffer may admit new episodes
         return concat_padded_tensors(out)
-
-    def _raise_if_stopped(self) -> None:
-        if self._loop_error is not None:
-            raise RuntimeError("rollout loop crashed") from self._loop_error
-        if self._exiting:
-            raise RuntimeError("WorkflowExecutor was destroyed while waiting")
 
     def _describe(self) -> str:
         s = self._book.stat
@@ -235,7 +194,7 @@ class WorkflowExecutor:
                     raise group.error
                 if group.done == len(items):
                     break
-                self._raise_if_stopped()
+                self._runner.raise_if_stopped()
                 self._cond.wait(POLL_S)
         self.last_batch_data = [d for d, r in zip(items, group.results) if r is not None]
         return concat_padded_tensors([r for r in group.results if r is not None])
@@ -308,36 +267,3 @@ class WorkflowExecutor:
                 setattr(self._book.stat, k, int(state.get(k, 0)))
             self.feed.load_state_dict(state)
         self.notify()
-
-    # ------------------------------------------------------------------ the loop thread
-
-    async def _schedule(self) -> None:
-        self._wakeup = asyncio.Event()
-        while not self._exiting:
-            self._wakeup.clear()
-            self._start_admissible()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), POLL_S)
-            except asyncio.TimeoutError:
-                pass
-
-    def _start_admissible(self) -> None:
-        if self._paused:
-            return
-        n = self.get_capacity()
-        while n > 0:
-            try:
-                ep = self._input.get_nowait()
-            except queue.Empty:
-                return
-            task = asyncio.ensure_future(run_episode(ep, self.engine))
-            self._book.on_started()
-            self._tasks.add(task)
-            task.add_done_callback(lambda t, ep=ep: self._on_done(t, ep))
-            n -= 1
-
-    def _on_done(self, task: asyncio.Task, ep: Episode) -> None:
-        self._tasks.discard(task)
-        self._book.on_done(task, ep)
-        if self._wakeup is not None:
-            self._wakeup.set()  # a slot is free
