@@ -2,10 +2,10 @@
 
 `RemoteInferenceEngine` owns an event loop thread where its HTTP session (`server_http.py`) and
 its server pool (`server_pool.py`: routing, fail-over, re-admission) live. On top it does what an
-RL trainer needs from generation: interruptible generation (an aborted request is resubmitted
-as prompt + tokens so far with the remaining budget once the pause lifts; every token records
-the weight version that produced it) and the pause -> load -> continue choreography of weight
-updates (`remote_weights.py`).
+RL trainer needs from generation: interruptible generation (`remote_generate.py`: an aborted
+request is resubmitted as prompt + tokens so far with the remaining budget once the pause lifts;
+every token records the weight version that produced it) and the pause -> load -> continue
+choreography of weight updates (`remote_weights.py`).
 
 What differs between servers is isolated in a few methods a subclass overrides:
 `build_generate_payload`, `parse_generate_response`, `pause_server`, `continue_server`,
@@ -18,14 +18,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from arealite.inference.remote_generate import GenerateChunk, generate_resumable
 from arealite.inference.remote_weights import WeightUpdates
 from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavailable, parse_version
 from arealite.inference.server_pool import NoServerAvailable, ServerPool, resolve_addresses
@@ -53,19 +52,6 @@ COUNTER_KEYS = (
 )
 
 
-@dataclass
-class GenerateChunk:
-    """One server answer to a generate call (a whole generation or the part before an abort)."""
-
-    output_tokens: list[int]
-    output_logprobs: list[float]
-    finish: str  # "stop" | "length" | "abort"
-    version: int | None  # weight version that produced the tokens, if the server says
-    # Per-token versions when the server reports them (vLLM's weight_versions spans); None
-    # entries fall back to `version`, then to the version last pushed.
-    token_versions: list[int | None] | None = None
-
-
 class RemoteInferenceEngine(InferenceEngine):
     """An InferenceEngine over HTTP to a list of servers; subclasses speak one server's API."""
 
@@ -82,7 +68,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.weights = WeightUpdates(self)
         self._loop = LoopThread("arealite-inference-client")
         self._version = 0  # policy version (set by the trainer; the staleness bound reads it)
-        self._loaded_elsewhere = 0  # newest version another client loaded on every server
+        self.loaded_elsewhere = 0  # newest version another client loaded on every server
         # Set while generation may run; cleared during weight updates and pause_generation.
         self.gen_allowed: asyncio.Event | None = None
 
@@ -174,7 +160,7 @@ class RemoteInferenceEngine(InferenceEngine):
     def expect_weight_version(self, version: int) -> None:
         """Another client (the trainer's) finished loading `version` on every live server: from
         now on an answer with older weights comes from a server restarted behind our back."""
-        self._loaded_elsewhere = max(self._loaded_elsewhere, version)
+        self.loaded_elsewhere = max(self.loaded_elsewhere, version)
         self.weights.saw_version(version)
 
     def get_version(self) -> int:
@@ -197,8 +183,8 @@ class RemoteInferenceEngine(InferenceEngine):
         work always runs on the client's loop, which owns the session and the pause state."""
         self._validate_request(req)
         if asyncio.get_running_loop() is self._loop.loop:
-            return await self._agenerate(req)
-        return await asyncio.wrap_future(self._loop.run(self._agenerate(req)))
+            return await generate_resumable(self, req)
+        return await asyncio.wrap_future(self._loop.run(generate_resumable(self, req)))
 
     def _validate_request(self, req: ModelRequest) -> None:
         if req.gconfig.n_samples != 1:
@@ -208,86 +194,6 @@ class RemoteInferenceEngine(InferenceEngine):
             )
         if not req.input_ids:
             raise ValueError(f"ModelRequest {req.rid}: input_ids is empty")
-
-    async def _agenerate(self, req: ModelRequest) -> ModelResponse:
-        """Loop until the budget is spent or the server stops: an abort (weight update) is
-        resumed as prompt + tokens so far once generation is allowed again."""
-        g = req.gconfig
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        stop_reason = "length"
-        start, ttft = time.perf_counter(), float("inf")
-        idle_aborts = 0
-        while len(tokens) < g.max_new_tokens:
-            assert self.gen_allowed is not None
-            await self.gen_allowed.wait()
-            chunk, addr = await self._generate_chunk(req, tokens)
-            if chunk.output_tokens and ttft == float("inf"):
-                ttft = time.perf_counter() - start
-            v = chunk.version if chunk.version is not None else self.weights.version
-            self.weights.saw_version(v)
-            tokens += chunk.output_tokens
-            logprobs += chunk.output_logprobs
-            if chunk.token_versions is None:
-                versions += [v] * len(chunk.output_tokens)
-            else:
-                versions += [v if t is None else t for t in chunk.token_versions]
-            if chunk.finish != "abort":
-                stop_reason = chunk.finish
-                break
-            self.counters["aborted_chunks"] += 1
-            # Only aborts we did not cause (no weight update under way) count as suspicious.
-            if chunk.output_tokens:
-                idle_aborts = 0
-            elif self.gen_allowed.is_set():
-                idle_aborts += 1
-                await self._backoff_after_abort(req.rid, addr, idle_aborts)
-        return ModelResponse(
-            input_tokens=list(req.input_ids),
-            output_tokens=tokens,
-            output_logprobs=logprobs,
-            output_versions=versions,
-            stop_reason=stop_reason,  # type: ignore[arg-type]
-            latency=time.perf_counter() - start,
-            ttft=ttft,
-        )
-
-    async def _generate_chunk(
-        self, req: ModelRequest, tokens: list[int]
-    ) -> tuple[GenerateChunk, str]:
-        """One generate call continuing `tokens` with the rest of the budget; (answer, server)."""
-        g = req.gconfig
-        path, payload = self.build_generate_payload(
-            req,
-            list(req.input_ids) + tokens,
-            g.max_new_tokens - len(tokens),
-            max(0, g.min_new_tokens - len(tokens)),
-        )
-        # Every live server loaded this version before the request went out: a server answering
-        # with older weights restarted behind our back. Take it out (it is restored before it
-        # rejoins) and generate elsewhere; each retry removes a server, so this ends.
-        expected = max(self.weights.version, self._loaded_elsewhere)
-        while True:
-            body, addr = await self.pool.post_with_failover(req.rid, path, payload)
-            chunk = self.parse_generate_response(body)
-            self.counters["generate_calls"] += 1
-            # Judged on tokens only: an answer without any has nothing stale to keep out.
-            if not chunk.output_tokens or chunk.version is None or chunk.version >= expected:
-                return chunk, addr
-            reason = f"it serves weights v{chunk.version}, older than v{expected} (restarted?)"
-            self.pool.mark_failed(addr, reason)
-
-    async def _backoff_after_abort(self, rid: str, addr: str, idle_aborts: int) -> None:
-        """Aborts without progress while we are not updating weights mean someone else is
-        aborting us: back off, and give up rather than spin forever."""
-        limit = 5 + self.config.request_retries
-        if idle_aborts > limit:
-            raise RuntimeError(
-                f"request {rid}: server {addr} aborted it {idle_aborts} times in a row without "
-                "generating a token, and no weight update was in progress"
-            )
-        await asyncio.sleep(min(2.0, 0.05 * 2**idle_aborts))
 
     # ============================================================ weights and pausing
 
