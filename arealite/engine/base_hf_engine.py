@@ -1,6 +1,7 @@
 """What every HF-model trainer shares, whatever shards it: the padding-free micro-batch loop
 of `train_batch` / `eval_batch` / `forward` (model loading: hf_model.py; AdamW: optimizer.py;
-packing helpers and token alignment: packing.py; batch checks: batch_validation.py).
+packing helpers and token alignment: packing.py; batch checks: batch_validation.py; the
+split every rank agrees on: micro_batches.py).
 
 Packing. A padded batch `[B, L]` is split into micro-batches under `mb_spec.max_tokens_per_mb`
 and each micro-batch is packed into one row of T real tokens (no padding), with `position_ids`
@@ -31,15 +32,12 @@ from torch import nn
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
-from arealite.engine.batch_validation import validate_batch
+from arealite.engine.batch_validation import validate_model_batch
+from arealite.engine.micro_batches import dummy_mb, split_across_ranks
 from arealite.engine.packing import block_causal_mask, packed_logprobs, packed_position_ids
-from arealite.engine.vlm_inputs import validate_vlm_batch, vlm_forward_mb
+from arealite.engine.vlm_inputs import vlm_forward_mb
 from arealite.utils import distributed as du
-from arealite.utils.data import (
-    MicroBatchList,
-    pack_tensor_dict,
-    split_padded_tensor_dict_into_mb_list,
-)
+from arealite.utils.data import MicroBatchList, pack_tensor_dict
 from arealite.utils.fsdp import clip_grad_norm_, torch_dtype
 from arealite.utils.vision import is_vlm_config
 
@@ -95,19 +93,6 @@ class BaseHFEngine(TrainEngine):
         packed["position_ids"] = packed_position_ids(packed["cu_seqlens"])
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in packed.items()}
 
-    def _dummy_mb(self) -> dict[str, Any]:
-        """A 1-token micro-batch for ranks with less data: FSDP collectives must match."""
-        cu = torch.tensor([0, 1], dtype=torch.int32)
-        packed = dict(
-            input_ids=torch.zeros(1, dtype=torch.long),
-            position_ids=torch.zeros(1, dtype=torch.long),
-            cu_seqlens=cu,
-            max_seqlen=1,
-            seq_keys=("input_ids",),
-            dummy=True,
-        )
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in packed.items()}
-
     def prepare_mbs(
         self, input_: TensorDict, required: tuple[str, ...] = ()
     ) -> tuple[list[dict[str, Any]], MicroBatchList | None] | None:
@@ -116,37 +101,17 @@ class BaseHFEngine(TrainEngine):
         A malformed batch on any rank raises on every rank (rather than hanging the others)."""
         error = None
         try:
-            self._validate(input_, required)
+            validate_model_batch(self.model.config, input_, required)
         except (KeyError, TypeError, ValueError) as e:
             error = e
         du.raise_if_any_rank_failed(error)
-        n_seqs = input_.batch_size[0]
-        if sum(du.all_gather_int(n_seqs)) == 0:
+        split = split_across_ranks(input_, self.config.mb_spec)
+        if split is None:
             return None
-        spec = self.config.mb_spec
-        mbl = None
-        if n_seqs:
-            mbl = split_padded_tensor_dict_into_mb_list(input_, spec.max_tokens_per_mb, spec.n_mbs)
-        n_local = len(mbl) if mbl else 0
-        n_max = int(du.all_reduce_max([n_local])[0])
-        if 0 < n_local < n_max:  # rebalance into as many micro-batches as the busiest rank
-            alt = split_padded_tensor_dict_into_mb_list(input_, spec.max_tokens_per_mb, n_max)
-            mbl = alt if len(alt) <= n_max else mbl
+        mbl, n_mbs = split
         mbs = [self._pack(mb) for mb in mbl.mbs] if mbl else []
-        mbs += [self._dummy_mb() for _ in range(n_max - len(mbs))]
+        mbs += [dummy_mb(self.device) for _ in range(n_mbs - len(mbs))]
         return mbs, mbl
-
-    def _validate(self, input_: TensorDict, required: tuple[str, ...]) -> None:
-        validate_batch(input_, required)
-        if is_vlm_config(self.model.config):
-            validate_vlm_batch(self.model.config, input_)
-        vocab = getattr(self.model.config, "vocab_size", None)
-        ids = input_["input_ids"][input_["attention_mask"].bool()]
-        if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(
-                f"input_ids has token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                f"model's vocabulary [0, {vocab})"
-            )
 
     def _model_inputs(self, mb: dict[str, Any]) -> dict[str, Any]:
         cu = mb["cu_seqlens"]

@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from arealite.engine.vlm_inputs import validate_vlm_batch
+from arealite.utils.vision import is_vlm_config
+
 # Per-token entries produced by the rollout / algorithm side; each must be [B, L].
 TOKEN_KEYS = (
     "loss_mask",
@@ -54,3 +57,18 @@ def validate_batch(data: Any, required: tuple[str, ...] = ()) -> None:
             )
             if bool(bad.any()):
                 raise ValueError(f"{key} has non-finite values at {bad.nonzero()[:4].tolist()}")
+
+
+def validate_model_batch(model_config: Any, data: Any, required: tuple[str, ...] = ()) -> None:
+    """`validate_batch`, then the checks that need the model: VLM inputs, and token ids inside
+    the vocabulary (an id past it fails on GPU as an opaque device-side assert)."""
+    validate_batch(data, required)
+    if is_vlm_config(model_config):
+        validate_vlm_batch(model_config, data)
+    vocab = getattr(model_config, "vocab_size", None)
+    ids = data["input_ids"][data["attention_mask"].bool()]
+    if vocab and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"input_ids has token ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+            f"model's vocabulary [0, {vocab})"
+        )

@@ -2,14 +2,14 @@
 
 One rank per process (torchrun), a 1-D data-parallel device mesh, gloo on CPU and NCCL on GPU.
 Also where weights leave the trainer: HF checkpoints (export, disk weight sync), DCP
-checkpoints (recovery, with optimizer / LR schedule / RNG), and the NCCL broadcast to SGLang.
+checkpoints (recovery, with optimizer / LR schedule / RNG; dcp_checkpoint.py), and the NCCL
+broadcast to SGLang.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -19,21 +19,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
 from arealite.engine.base_hf_engine import BaseHFEngine, logger
+from arealite.engine.dcp_checkpoint import load_dcp, save_dcp
 from arealite.engine.hf_model import load_hf_model
 from arealite.engine.lora import adapter_weights, apply_lora, merge_lora_weights
 from arealite.engine.optimizer import build_optimizer
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
 from arealite.utils.hardware import resolve_dtype
-from arealite.utils.safe_state import read_json, safe_dcp_reader, write_json
 from arealite.utils.save_load import (
     atomic_dir,
     copy_non_weight_files,
     load_safetensors_dir,
-    rng_state,
-    set_rng_state,
-    swap_in,
-    tmp_sibling,
     write_safetensors_shards,
 )
 from arealite.utils.vision import checkpoint_to_module_names
@@ -110,14 +106,16 @@ class FSDPEngine(BaseHFEngine):
             if lora is not None:  # the PEFT adapter beside (or instead of) the merged model
                 self.save_adapter(os.path.join(meta.path, "adapter"))
         else:
-            self._save_dcp(meta.path, meta.with_optim)
+            optim = (self.optimizer, self.lr_scheduler) if meta.with_optim else (None, None)
+            save_dcp(meta.path, self.model, self._version, *optim)
 
     def load(self, meta: SaveLoadMeta) -> None:
         self._require_model()
         if meta.weight_format == "hf":
             self._load_hf(meta.path)
         else:
-            self._load_dcp(meta.path, meta.with_optim)
+            optim = (self.optimizer, self.lr_scheduler) if meta.with_optim else (None, None)
+            self._version = load_dcp(meta.path, self.model, *optim)
 
     def _bucket_bytes(self, mb: int | None = None) -> int:
         return int((mb or self.config.weight_update_bucket_mb) * (1 << 20))
@@ -187,63 +185,6 @@ class FSDPEngine(BaseHFEngine):
             raise KeyError(f"HF checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:4]}")
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, {k: full[k] for k in names}, options=opts)
-
-    # -- DCP checkpoints ---------------------------------------------------------------------
-
-    def _dcp_state(self, with_optim: bool) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        state = {"model": get_model_state_dict(self.model)}
-        if with_optim and self.optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
-        return state
-
-    def _save_dcp(self, path: str, with_optim: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        staged = tmp_sibling(path, "dcp-tmp")
-        if du.is_main():
-            shutil.rmtree(staged, ignore_errors=True)
-        du.barrier()
-        dcp.save(self._dcp_state(with_optim), checkpoint_id=staged)
-        extra = {"rng": rng_state(), "version": self._version}
-        if with_optim and self.lr_scheduler is not None:
-            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-        error = None
-        try:  # JSON, not a pickle: loading a checkpoint must never run code
-            write_json(os.path.join(staged, f"extra_state_rank{du.rank()}.json"), extra)
-        except (OSError, TypeError) as e:
-            error = e
-        du.raise_if_any_rank_failed(error)
-        if du.is_main():
-            swap_in(staged, path)
-        du.barrier()
-
-    def _load_dcp(self, path: str, with_optim: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"no DCP checkpoint at {path}")
-        state = self._dcp_state(with_optim)
-        dcp.load(state, storage_reader=safe_dcp_reader(path))
-        set_model_state_dict(self.model, state["model"])
-        if "optim" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        extra_path = os.path.join(path, f"extra_state_rank{du.rank()}.json")
-        if not os.path.exists(extra_path):  # resumed with more ranks than saved
-            extra_path = os.path.join(path, "extra_state_rank0.json")
-        extra = read_json(extra_path)
-        set_rng_state(extra["rng"])
-        self._version = extra["version"]
-        if with_optim and self.lr_scheduler is not None and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
     # -- weight sync to inference servers ----------------------------------------------------
 

@@ -33,13 +33,15 @@ from arealite.engine.ppo.advantages import (
 )
 from arealite.engine.ppo.losses import kl_estimator, ppo_actor_loss_fn
 from arealite.engine.ppo.masked_stats import masked_mean
+from arealite.engine.ppo.update_stats import (
+    accumulate,
+    accumulate_behaviour_gap,
+    batch_stats,
+    new_accumulator,
+    update_stats,
+)
 from arealite.utils import distributed as du
 from arealite.utils.data import split_padded_tensor_dict
-
-# Statistics accumulated over micro-batches as token-weighted sums (then all-reduced).
-_SUM_KEYS = ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask", "entropy")
-# Trainer-vs-server logprob gap, summed in the update when prox_logp comes from its forward.
-_PROX_KEYS = ("behave_kl_k1", "behave_kl_k3")
 
 
 class PPOActor:
@@ -206,41 +208,18 @@ class PPOActor:
         if fuse_prox and cfg.ppo_n_minibatches > 1:
             data["prox_logp"] = self.compute_logp(data)
             fuse_prox = False
-        stats = self._batch_stats(data)
-        keys = (*_SUM_KEYS, *_PROX_KEYS, "n_tokens", "behave_imp_weight", "behave_n")
-        acc = dict.fromkeys(keys, 0.0)
-        acc["behave_logp_absdiff_max"] = 0.0
+        stats = batch_stats(data, self.engine.get_version())
+        acc = new_accumulator()
         loss_fn = self._make_loss_fn(acc, fuse_prox)
         step_stats = []
         self.engine.train()
         for mb in split_padded_tensor_dict(data, cfg.ppo_n_minibatches):
             step_stats.append(self.engine.train_batch(mb, loss_fn, _n_targets))
-        stats.update(self._update_stats(acc, step_stats, fuse_prox))
+        stats.update(update_stats(acc, step_stats, fuse_prox))
         return stats
 
     def _needs_prox(self) -> bool:
         return self.config.use_decoupled_loss or self.config.recompute_logprob
-
-    def _update_stats(
-        self, acc: dict[str, float], step_stats: list[dict[str, float]], fused_prox: bool
-    ) -> dict[str, float]:
-        """Global statistics of the update from the micro-batch sums in `acc`."""
-        gap = acc.pop("behave_logp_absdiff_max")
-        totals = dict(zip(acc, du.all_reduce_sum(list(acc.values()))))
-        n = max(totals["n_tokens"], 1.0)
-        stats = {k.replace("_mask", "_ratio"): totals[k] / n for k in _SUM_KEYS}
-        stats["behave_imp_weight"] = totals["behave_imp_weight"] / max(totals["behave_n"], 1.0)
-        stats["behave_mask_ratio"] = totals["behave_n"] / n
-        if fused_prox:  # what _batch_stats reports when prox_logp comes with the batch
-            stats["behave_kl_k1"] = totals["behave_kl_k1"] / n
-            stats["behave_kl_k3"] = totals["behave_kl_k3"] / n
-            stats["behave_logp_absdiff_max"] = du.all_reduce_max([gap])[0]
-        for k in ("loss", "grad_norm"):
-            stats[k] = sum(s[k] for s in step_stats) / len(step_stats)
-        stats["lr"] = step_stats[-1]["lr"]
-        stats["update_successful"] = min(s["update_successful"] for s in step_stats)
-        stats["n_minibatches"] = float(len(step_stats))
-        return stats
 
     def _make_loss_fn(self, acc: dict[str, float], fuse_prox: bool):
         cfg = self.config
@@ -267,58 +246,12 @@ class PPOActor:
                 importance_sampling_level=cfg.importance_sampling_level,
                 cu_seqlens=cu,
             )
-            _accumulate(acc, st, mask, entropy)
+            accumulate(acc, st, mask, entropy)
             if fuse_prox:
-                _accumulate_behaviour_gap(acc, mb["logprobs"].float(), logp.detach(), mask)
+                accumulate_behaviour_gap(acc, mb["logprobs"].float(), logp.detach(), mask)
             return loss
 
         return loss_fn
-
-    def _batch_stats(self, data: TensorDict) -> dict[str, float]:
-        """Global pre-update statistics: sizes, staleness, trainer-vs-server logprob gap."""
-        mask = data["loss_mask"].bool() & data["attention_mask"].bool()
-        n_tokens, n_seqs = du.all_reduce_sum([float(mask.sum()), float(data.batch_size[0])])
-        stats = {"n_tokens": n_tokens, "n_seqs": n_seqs}
-        if "versions" in data.keys():
-            stale = (self.engine.get_version() - data["versions"]).float()
-            stats["staleness"] = masked_mean(stale, mask, all_reduce=True).item()
-            big = stale[mask].max().item() if bool(mask.any()) else 0.0
-            stats["staleness_max"] = du.all_reduce_max([big])[0]
-        if "prox_logp" in data.keys():
-            behav, prox = data["logprobs"].float(), data["prox_logp"].float()
-            for kind in ("k1", "k3"):  # KL(behaviour || current), sampled from behaviour
-                kl = kl_estimator(behav, prox, kind)
-                stats[f"behave_kl_{kind}"] = masked_mean(kl, mask, all_reduce=True).item()
-            gap = (behav - prox).abs()[mask].max().item() if bool(mask.any()) else 0.0
-            stats["behave_logp_absdiff_max"] = du.all_reduce_max([gap])[0]
-        stats["advantages_mean"] = masked_mean(
-            data["advantages"].float(), mask, all_reduce=True
-        ).item()
-        return stats
-
-
-def _accumulate(
-    acc: dict[str, float], st: dict[str, torch.Tensor], mask: torch.Tensor, entropy: torch.Tensor
-) -> None:
-    acc["n_tokens"] += float(mask.sum())
-    for k in ("importance_weight", "approx_kl", "clip_mask", "dual_clip_mask"):
-        acc[k] += float(st[k].float().sum())
-    acc["entropy"] += float(torch.where(mask, entropy.detach(), 0).sum())
-    acc["behave_imp_weight"] += float(st["behave_imp_weight"].sum())
-    acc["behave_n"] += float(st["behave_mask"].sum())
-
-
-def _accumulate_behaviour_gap(
-    acc: dict[str, float], behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor
-) -> None:
-    """KL(behaviour || current) estimators and the largest |logp gap| over target tokens."""
-    for kind in ("k1", "k3"):
-        acc[f"behave_kl_{kind}"] += float(
-            torch.where(mask, kl_estimator(behav, prox, kind), 0).sum()
-        )
-    if bool(mask.any()):
-        gap = float((behav - prox).abs()[mask].max())
-        acc["behave_logp_absdiff_max"] = max(acc["behave_logp_absdiff_max"], gap)
 
 
 def _n_targets(mb: dict[str, Any]) -> float:
