@@ -172,13 +172,17 @@ class ServerRollouts:
                 config.train_dataset.batch_size // world,
                 config.actor.dynamic_sampling_max_oversample,
             )
-        self.loader, self.data_iter = loader, iter(loader)
+        # The iterator starts at the first batch: after recover.load() restored the loader's
+        # position (an iterator made earlier would start the epoch again).
+        self.loader, self.data_iter = loader, None
 
     def next_batch(self, step: int):
         """(batch, the dataset rows of its episodes)."""
         if not self.sync:
             batch = self.executor.prepare_batch(self.loader, self.workflow, self.group_filter)
             return batch, self.executor.last_batch_data
+        if self.data_iter is None:
+            self.data_iter = iter(self.loader)
         rows = next(self.data_iter, None)
         if rows is None:  # epoch end
             self.data_iter = iter(self.loader)
