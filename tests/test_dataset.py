@@ -204,6 +204,29 @@ def test_arith_sft_rows_are_short_and_mask_the_digits(tokenizer):
         assert len(ids) <= 20  # short enough for a tiny model to learn quickly
 
 
+def test_arith_follow_up_rows_are_two_turn_with_the_loss_on_the_second_answer(tokenizer):
+    ds = get_custom_dataset("arith", 0, 1, type="sft", tokenizer=tokenizer, size=200,
+                            max_digits=1, n_operands=3, follow_up=0.5)  # fmt: skip
+    two_turn = 0
+    for r in _rows(ds):
+        ids, mask = r["input_ids"], r["loss_mask"]
+        prompt = tokenizer.decode(ids[: mask.index(1)])
+        answer = int(tokenizer.decode([t for t, m in zip(ids, mask) if m][:-1]))
+        turns = re.findall(r"user\n([\d+]+)=", prompt)
+        if len(turns) == 2:  # "a+b+c=" -> its value, then "+k=" -> value + k
+            two_turn += 1
+            first = eval(turns[0])  # noqa: S307 - digits and '+' only
+            assert f"assistant\n{first}" in prompt
+            assert answer == first + int(turns[1])
+        else:
+            assert answer == eval(turns[0])  # noqa: S307
+    assert 70 <= two_turn <= 130  # half, seeded
+    with pytest.raises(ValueError, match="follow_up makes two-turn SFT rows"):
+        get_custom_dataset("arith", 0, 1, type="rl", tokenizer=tokenizer, size=5, follow_up=0.5)
+    with pytest.raises(ValueError, match="follow_up must be in"):
+        get_custom_dataset("arith", 0, 1, type="sft", tokenizer=tokenizer, size=5, follow_up=2)
+
+
 def test_arith_bad_knobs_fail_clearly():
     with pytest.raises(ValueError, match="ops"):
         generate_arith_problems(10, ops="/")

@@ -31,7 +31,9 @@ from arealite.dataset.common import sft_row
 
 logger = logging.getLogger("arealite.dataset")
 
-OPTIONS = ("size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix")
+OPTIONS = (
+    "size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix", "follow_up",
+)  # fmt: skip
 HELD_OUT_SPLITS = ("test", "valid", "validation")
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated exactly
 _HASH_BUCKETS = 10_000
@@ -177,9 +179,19 @@ def get_arith_dataset(
     ops: str = "+",
     test_fraction: float = 0.2,
     mix: list[dict] | None = None,
+    follow_up: float = 0.0,
 ) -> Any:
-    """RL rows {"messages", "answer", "query_id"} or SFT rows {"input_ids", "loss_mask"}."""
+    """RL rows {"messages", "answer", "query_id"} or SFT rows {"input_ids", "loss_mask"};
+    `follow_up` (SFT only) is the fraction of SFT rows that are two-turn (see follow_up_row)."""
     import datasets
+
+    if not 0.0 <= follow_up <= 1.0:
+        raise ValueError(f"arith follow_up must be in [0, 1], got {follow_up}")
+    if follow_up and type != "sft":
+        raise ValueError(
+            "arith follow_up makes two-turn SFT rows (type sft); RL prompts stay one turn, the "
+            "agent asks its own second turn"
+        )
 
     knobs = dict(max_digits=max_digits, n_operands=n_operands, ops="".join(ops))
     if mix:
@@ -196,10 +208,26 @@ def get_arith_dataset(
             for i, (e, v) in enumerate(problems)
         ]
     else:
+        rng = random.Random(f"arith-follow-up-{seed}")
         rows = [
-            sft_row(tokenizer, [{"role": "user", "content": f"{e}="}], str(v)) for e, v in problems
+            follow_up_row(tokenizer, e, v, rng.randint(1, 9))
+            if rng.random() < follow_up
+            else sft_row(tokenizer, [{"role": "user", "content": f"{e}="}], str(v))
+            for e, v in problems
         ]
     return datasets.Dataset.from_list(rows)
+
+
+def follow_up_row(tokenizer: Any, expression: str, value: int, c: int) -> dict[str, list[int]]:
+    """A two-turn SFT row: "3+4=" -> "7", then "+c=" -> 7 + c, loss on the second answer only.
+    Why: a model warm-started on one-turn sums never answers a follow-up (0% two-turn success,
+    so GRPO sees no signal); a share of these rows gives the multi-turn agent a start."""
+    messages = [
+        {"role": "user", "content": f"{expression}="},
+        {"role": "assistant", "content": str(value)},
+        {"role": "user", "content": f"+{c}="},
+    ]
+    return sft_row(tokenizer, messages, str(value + c))
 
 
 def load(split: str, type: str, tokenizer: Any, processor: Any, **options: Any) -> Any:
