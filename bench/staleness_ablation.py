@@ -60,6 +60,8 @@ def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int)
         f"cluster.fileroot={workdir}", "experiment_name=staleness", f"trial_name={arm}_s{seed}",
         f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
         "evaluator.freq_steps=null", f"evaluator.freq_secs={eval_secs}", "saver.freq_steps=null",
+        # A time budget, not a step count: a constant lr (the demo's decays over its 130 steps).
+        "actor.optimizer.lr=1e-4", "actor.optimizer.lr_scheduler_type=constant",
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.use_decoupled_loss={str(decoupled).lower()}",
         f"actor.recompute_logprob={str(decoupled).lower()}",

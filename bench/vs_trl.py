@@ -55,6 +55,7 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str) -> dict:
         f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
         f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
         "evaluator.freq_steps=null", "evaluator.freq_secs=60",
+        f"actor.optimizer.lr={LR}", "actor.optimizer.lr_scheduler_type=constant",  # as TRL's arm
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
            "--config", os.path.join(EXAMPLES, "configs", "arith_grpo.yaml"), *args]  # fmt: skip

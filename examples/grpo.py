@@ -373,8 +373,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None) -> None:
     train_loader = dataloader(config.train_dataset, rank, world, tokenizer, seed=config.seed,
                               processor=processor)  # fmt: skip
     ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
-                           config.train_dataset.batch_size)  # fmt: skip
-    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
+                           config.train_dataset.batch_size, config.total_train_steps)  # fmt: skip
+    total_steps = ft_spec.total_train_steps
     recorder = make_recorder(config, rank, tokenizer)
     if config.mode == "rollout_only":
         rollouts = ServerRollouts(config, world, rank, tokenizer, workflow_cls, processor,

@@ -362,6 +362,15 @@ def test_lr_schedules():
     assert lr_lambda("constant", 0, 10, 0.0)(7) == 1.0
 
 
+def test_the_schedule_spans_total_train_steps_when_it_ends_the_run_early():
+    from arealite.api.io_struct import FinetuneSpec
+
+    spec = FinetuneSpec(1, dataset_size=20000, train_batch_size=16, max_train_steps=150)
+    assert spec.steps_per_epoch == 1250 and spec.total_train_steps == 150
+    assert FinetuneSpec(2, 100, 10, max_train_steps=None).total_train_steps == 20
+    assert FinetuneSpec(2, 100, 10, max_train_steps=500).total_train_steps == 20
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -140,3 +140,20 @@ def test_a_stale_launcher_heartbeat_ends_the_job(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.integration
+def test_a_server_that_cannot_start_is_named_and_the_trainer_stopped(tmp_path, tiny_model_dir):
+    """The trainer starts while the servers load; a server that dies first fails the run with
+    its own error, and the trainer (waiting for it) goes down with the run."""
+    grpo = os.path.join(os.path.dirname(SCRIPT), "..", "..", "examples", "grpo.py")
+    config = os.path.join(os.path.dirname(grpo), "configs", "arith_grpo.yaml")
+    p, _ = launch([
+        grpo, "--config", config, "experiment_name=bad", "trial_name=t",
+        f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}",
+        "server.extra_args=[--no-such-flag]",
+    ], timeout=300)  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "inference server 0 at" in p.stderr and "exited" in p.stderr
+    assert "--no-such-flag" in p.stderr  # the server's own error, from its log tail
+    assert (tmp_path / "bad" / "t" / "logs" / "trainer.log").exists()  # started beside it

@@ -203,11 +203,13 @@ class SaveLoadMeta:
 
 @dataclass
 class FinetuneSpec:
-    """Sizes that fix the length of training (and so the LR schedule)."""
+    """Sizes that fix the length of training (and so the LR schedule); `max_train_steps` (the
+    config's total_train_steps) ends it early, and the schedule then spans those steps."""
 
     total_train_epochs: int
     dataset_size: int
     train_batch_size: int
+    max_train_steps: int | None = None
 
     def __post_init__(self):
         if self.train_batch_size < 1:
@@ -221,7 +223,7 @@ class FinetuneSpec:
 
     @property
     def total_train_steps(self) -> int:
-        return self.total_train_epochs * self.steps_per_epoch
+        return min(self.total_train_epochs * self.steps_per_epoch, self.max_train_steps or 10**12)
 
 
 @dataclass(frozen=True)

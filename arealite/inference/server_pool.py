@@ -21,6 +21,8 @@ from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavai
 logger = logging.getLogger("arealite.remote")
 
 SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+# Set by a launcher that starts the trainer while its servers still load (their startup_timeout).
+SERVERS_STARTUP_ENV = "AREAL_LLM_SERVER_STARTUP_TIMEOUT"
 STICKY_CAPACITY = 16384  # remembered rid -> server entries (LRU)
 READMIT_INTERVAL_S = 2.0  # how often failed servers are probed for re-admission
 
@@ -196,7 +198,9 @@ class ServerPool:
             return False
 
     async def wait_all_healthy(self, timeout: float) -> None:
-        """TimeoutError naming each server not healthy after `timeout` seconds, and why."""
+        """TimeoutError naming each server not healthy after `timeout` seconds (or the servers'
+        startup timeout, when the launcher started us beside them), and why."""
+        timeout = max(timeout, float(os.environ.get(SERVERS_STARTUP_ENV) or 0))
         deadline = time.monotonic() + timeout
         errors = await asyncio.gather(*(self._wait_healthy(a, deadline) for a in self.addresses))
         bad = {a: e for a, e in zip(self.addresses, errors) if e is not None}

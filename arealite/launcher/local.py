@@ -2,10 +2,10 @@
 
     python -m arealite.launcher.local SCRIPT --config YAML [key=value ...]
 
-Validates the config, starts the servers of the allocation mode, waits for their health (a
-failure shows the server's log tail), exports their addresses, runs the trainer with torchrun,
-keeps per-process logs under `<run_dir>/logs/`, and tears everything down on exit, on Ctrl-C
-and as soon as any process fails. With `recover.mode=auto|resume` a failed trainer is
+Validates the config, starts the servers of the allocation mode and, while they load, the trainer
+with torchrun (their addresses exported; its clients wait for them), waits for the servers'
+health (a failure shows the server's log tail), keeps per-process logs under `<run_dir>/logs/`,
+and tears everything down on exit, on Ctrl-C and as soon as any process fails. With `recover.mode=auto|resume` a failed trainer is
 restarted up to `recover.retries` times (it resumes from its last recover checkpoint).
 """
 
@@ -30,6 +30,7 @@ from arealite.launcher.process import (
 )
 from arealite.launcher.servers import (
     SERVER_ADDRS_ENV,
+    SERVERS_STARTUP_ENV,
     needs_servers,
     plan_servers,
     share_server_api_key,
@@ -54,7 +55,8 @@ def visible_gpu_count() -> int:
 
 
 def start_servers(procs: ProcessSet, config, gpus: GpuPlan | None) -> list[str]:
-    """Start every inference server and wait until all are healthy; returns their addresses."""
+    """Start every inference server (not waiting for them: the trainer starts meanwhile, its
+    imports and model load overlap theirs); returns their addresses."""
     alloc = config.allocation
     ports = find_free_ports(alloc.gen_n_servers, config.server.host)
     envs = [gpus.server_env(i) for i in range(alloc.gen_n_servers)] if gpus else None
@@ -62,17 +64,27 @@ def start_servers(procs: ProcessSet, config, gpus: GpuPlan | None) -> list[str]:
     threads = {} if gpus else cpu_thread_env(config, alloc.gen_n_servers)
     for s in specs:
         procs.start(f"server{s.index}", s.cmd, {**threads, **s.env}, critical=False)
-    for s in specs:
-        child = procs.children[f"server{s.index}"]
-        if not wait_healthy(s.address, config.server.startup_timeout, child.alive):
+    return [s.address for s in specs]
+
+
+def wait_servers(procs: ProcessSet, config, addrs: list[str]) -> None:
+    """Wait until every server is healthy; LaunchError with the log tail of one that exits or
+    stays unhealthy for server.startup_timeout. Returns early when the trainer has exited (its
+    own failure is the one to report)."""
+    trainer = procs.children["trainer"]
+    for index, address in enumerate(addrs):
+        child = procs.children[f"server{index}"]
+        both_alive = lambda: child.alive() and trainer.alive()  # noqa: E731, B023
+        if not wait_healthy(address, config.server.startup_timeout, both_alive):
+            if not trainer.alive():
+                return
             state = "exited" if not child.alive() else "did not become healthy"
             raise LaunchError(
-                f"inference server {s.index} at {s.address} {state} within "
+                f"inference server {index} at {address} {state} within "
                 f"{config.server.startup_timeout:.0f}s; log tail ({child.log_path}):\n"
                 f"{log_tail(child.log_path)}"
             )
-        logger.info("server%d healthy at %s", s.index, s.address)
-    return [s.address for s in specs]
+        logger.info("server%d healthy at %s", index, address)
 
 
 def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int) -> list[str]:
@@ -113,6 +125,7 @@ def trainer_env(config, server_addrs: list[str], gpus: GpuPlan | None = None) ->
     env[WATCH_PARENT_ENV] = "1"  # trainer workers exit when their torchrun agent dies
     if server_addrs:
         env[SERVER_ADDRS_ENV] = ",".join(server_addrs)
+        env[SERVERS_STARTUP_ENV] = str(config.server.startup_timeout)  # they may still load
     return env
 
 
@@ -173,6 +186,8 @@ def run(argv: list[str]) -> int:
             port = config.launcher.trainer_port or find_free_port()
             cmd = trainer_command(script, script_args, config.allocation.train_world_size, port)
             procs.start("trainer", cmd, trainer_env(config, addrs, gpus), stream=True)
+            if attempt == 0:
+                wait_servers(procs, config, addrs)
             rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))
             procs.kill_group("trainer")  # no worker of this attempt outlives its agent
             if rc == 0:

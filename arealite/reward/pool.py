@@ -124,6 +124,15 @@ class RewardPool:
         self.stats = {"calls": 0, "ok": 0, "timeouts": 0, "errors": 0}
         self.errors = RewardErrors(getattr(reward_fn, "__name__", repr(reward_fn)), fail_fast)
         self._finalizer = weakref.finalize(self, _kill_all, self._gens)
+        # Boot the workers now, beside the caller's model loading: a forkserver imports the main
+        # script (seconds) before the first worker runs, and the first reward calls would wait.
+        threading.Thread(target=self._start_early, name="reward-pool-start", daemon=True).start()
+
+    def _start_early(self) -> None:
+        try:
+            self._generation()
+        except RuntimeError:  # closed before it started
+            pass
 
     def _generation(self) -> _Generation:
         with self._lock:

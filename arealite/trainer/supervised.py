@@ -65,8 +65,8 @@ def train_supervised(
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
-                           config.train_dataset.batch_size)  # fmt: skip
-    total_steps = min(ft_spec.total_train_steps, config.total_train_steps or 10**12)
+                           config.train_dataset.batch_size, config.total_train_steps)  # fmt: skip
+    total_steps = ft_spec.total_train_steps
     engine.initialize(None, ft_spec)
     saver = Saver(config.saver, ft_spec, config.run_dir)
     evaluator = Evaluator(config.evaluator, ft_spec)
