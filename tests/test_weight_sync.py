@@ -108,6 +108,8 @@ def test_grpo_through_the_launcher_with_the_distributed_update(tmp_path, tiny_mo
         if name.startswith("rollouts_v"):
             for line in (run / "rollouts" / name).read_text().splitlines():
                 versions |= set(json.loads(line)["output_versions"])
-    assert versions == {0, 1}
+    # Episodes of the last pushed version (2) may start before the run shuts down: with dynamic
+    # sampling on (the YAML's), eta = 0 runs the background executor, never trained on.
+    assert {0, 1} <= versions <= {0, 1, 2}, versions
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert "weight-update group" in trainer_log

@@ -5,8 +5,9 @@
 Validates the config, starts the servers of the allocation mode and, while they load, the trainer
 with torchrun (their addresses exported; its clients wait for them), waits for the servers'
 health (a failure shows the server's log tail), keeps per-process logs under `<run_dir>/logs/`,
-and tears everything down on exit, on Ctrl-C and as soon as any process fails. With `recover.mode=auto|resume` a failed trainer is
-restarted up to `recover.retries` times (it resumes from its last recover checkpoint).
+and tears everything down on exit, on Ctrl-C and as soon as any process fails. With
+`recover.mode=auto|resume` a failed trainer is restarted up to `recover.retries` times (it
+resumes from its last recover checkpoint).
 """
 
 from __future__ import annotations

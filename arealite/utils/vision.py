@@ -15,9 +15,10 @@ import binascii
 import io
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads in the functions that use it: the launcher imports this
+    import torch
 
 # The per-sequence carrier key in a trajectory TensorDict: one dict per sequence holding
 # `pixel_values` [n_patches, C*T*P*P] and `image_grid_thw` [n_images, 3] (empty for text-only).
@@ -109,6 +110,8 @@ def image_token_ids(config: Any) -> tuple[int | None, int | None]:
 
 def mm_token_type_ids(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
     """0 text / 1 image / 2 video per token (what the processor returns; rebuilt from ids)."""
+    import torch
+
     image_id, video_id = image_token_ids(config)
     out = torch.zeros_like(input_ids)
     if image_id is not None:
@@ -149,6 +152,8 @@ def image_pad_runs(input_ids: list[int], pad_id: int) -> list[tuple[int, int]]:
 
 def empty_mm_input(patch_dim: int = 0) -> dict[str, torch.Tensor]:
     """The carrier value of a text-only sequence."""
+    import torch
+
     return {
         "pixel_values": torch.zeros(0, patch_dim),
         "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
@@ -158,6 +163,8 @@ def empty_mm_input(patch_dim: int = 0) -> dict[str, torch.Tensor]:
 def concat_mm_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
     """Concatenate per-sequence image inputs in sequence order (the order their pads appear in
     a packed row); None when no sequence has an image."""
+    import torch
+
     pv = [m["pixel_values"] for m in items if m and m["image_grid_thw"].numel()]
     thw = [m["image_grid_thw"] for m in items if m and m["image_grid_thw"].numel()]
     if not thw:
@@ -168,6 +175,8 @@ def concat_mm_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 def sft_row_inputs(row: dict[str, Any]) -> dict[str, Any]:
     """The trainer's fields of an SFT row: input_ids and loss_mask, plus the row's images under
     MM_KEY when it has any (rows of a vision SFT set hold pixel_values / image_grid_thw)."""
+    import torch
+
     out = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
     if row.get("pixel_values") is not None:
         out[MM_KEY] = {
@@ -189,6 +198,7 @@ def load_vlm_processor(path: str):
     torchvision we build the same processor class with `video_processor=None`: identical
     input_ids / pixel_values / image_grid_thw for images; videos are unsupported there.
     """
+
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
