@@ -157,3 +157,10 @@ def test_a_server_that_cannot_start_is_named_and_the_trainer_stopped(tmp_path, t
     assert "inference server 0 at" in p.stderr and "exited" in p.stderr
     assert "--no-such-flag" in p.stderr  # the server's own error, from its log tail
     assert (tmp_path / "bad" / "t" / "logs" / "trainer.log").exists()  # started beside it
+
+
+def test_the_launcher_imports_no_torch():
+    """Every run pays the launcher's start-up once more: config checks need no torch (1.3 s)."""
+    code = "import sys, arealite.launcher.local; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
