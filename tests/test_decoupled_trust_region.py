@@ -46,6 +46,7 @@ def max_log_ratio_after_replay(build_engine, model_dir: str, decoupled: bool, se
     return float((actor.compute_logp(batch) - prox)[mask].abs().max())
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_decoupled_loss_stays_near_the_proximal_policy(tiny_model_dir, build_engine, seed):
     decoupled = max_log_ratio_after_replay(build_engine, tiny_model_dir, True, seed)

@@ -265,6 +265,7 @@ def test_lora_grpo_runs_through_the_launcher(tiny_model_dir, tmp_path):
     assert "model.safetensors" in files and "adapter" in files, files
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 def test_lora_actor_on_two_gloo_ranks_matches_one_rank(tiny_model_dir, tmp_path):
     """FSDP2 over the PEFT model, uneven row slices per rank: losses, adapters and the frozen
     base equal 1 rank's."""

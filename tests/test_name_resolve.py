@@ -121,6 +121,7 @@ def _child(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 def test_other_process_entries_delete_on_exit_and_expire_after_kill(tmp_path):
     root = str(tmp_path / "nr")
     repo = nr.FileNameResolveRepository(root)

@@ -86,6 +86,7 @@ def run_two_gloo_ranks(mode: str, model_dir: str, out) -> dict:
     return two
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 def test_critic_on_two_gloo_ranks_matches_one_rank(tiny_model_dir, tmp_path):
     """Uneven row slices per rank: value loss, explained variance and weights equal 1 rank's."""
     two = run_two_gloo_ranks("critic", tiny_model_dir, tmp_path / "critic.pt")

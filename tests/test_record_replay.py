@@ -146,6 +146,7 @@ def online(tmp_path_factory, tiny_model_dir):
     return root, args
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 @pytest.mark.timeout(200)
 def test_train_only_reproduces_the_online_first_update(online, tiny_model_dir):
     root, args = online
@@ -163,6 +164,7 @@ def test_train_only_reproduces_the_online_first_update(online, tiny_model_dir):
     )
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 @pytest.mark.timeout(200)
 def test_rollout_only_records_without_a_trainer(tmp_path, tiny_model_dir):
     record = tmp_path / "rec"

@@ -67,6 +67,7 @@ def test_pair_scores_equal_single_row_scores_whatever_the_split(reward_model, ti
     assert whole["loss"] == pytest.approx(st["loss"], abs=1e-5)
 
 
+@pytest.mark.integration  # a multi-second run: not in `make test-fast`
 def test_reward_model_learns_held_out_arithmetic_preferences(reward_model, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
