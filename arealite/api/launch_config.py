@@ -13,6 +13,11 @@ from typing import Literal, Optional
 from arealite.api.config_loader import ConfigBase, ConfigError
 from arealite.api.config_loader import help_text as _help
 
+# How a launcher tells the trainer's clients where the servers are, and (when it starts the trainer
+# while they still load) how long to wait for their health: read by arealite/inference/server_pool.
+SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
+SERVERS_STARTUP_ENV = "AREAL_LLM_SERVER_STARTUP_TIMEOUT"
+
 
 @dataclass
 class ServerConfig(ConfigBase):

