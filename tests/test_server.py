@@ -485,6 +485,44 @@ def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_mo
         torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=1e-4, rtol=0)
 
 
+def test_a_shared_prompt_is_prefilled_once_and_its_rows_sample_apart(tiny_model_dir, ref_model):
+    """A GRPO group (8 rows, one prompt) joining a running batch beside other prompts: the
+    prompt is prefilled once (the forward sees 3 distinct rows, not 11), yet every row samples on
+    its own with exact logprobs and its own finish."""
+    from arealite.server.model_runner import ModelRunner
+    from arealite.server.protocol import GenerateRequest, SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+
+    def seq(ids, n):
+        params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+        return runner.new_sequence(GenerateRequest(rid=f"{ids}-{n}", input_ids=ids, params=params))
+
+    rows_seen = []
+    runner.model.register_forward_pre_hook(
+        lambda _m, _a, kw: rows_seen.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    group = [seq([11, 12, 13, 14], 6 + i % 3) for i in range(8)]
+    others = [seq([5, 6], 7), seq(list(range(20, 45)), 5)]
+    done = []
+    with torch.inference_mode():
+        done += runner.step([seq([7, 8, 9], 9)])  # a running batch to join (first prefill)
+        done += runner.step(group + others)
+        while runner.num_running:
+            done += runner.step([])
+    assert (
+        rows_seen[2][0] == 3
+    )  # after the running row's decode: the group's prompt once, plus the two other prompts
+    assert len(done) == 11
+    outs = [tuple(s.output_ids) for s in done if s.req.input_ids == [11, 12, 13, 14]]
+    assert len(set(outs)) > 1  # the 8 samples drew their own tokens
+    for s in done:
+        assert len(s.output_ids) == s.req.params.max_new_tokens
+        logits = forward_logits(ref_model, s.req.input_ids, s.output_ids)
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=1e-4, rtol=0)
+
+
 def test_sampling_truncation_and_logprobs():
     from arealite.server.protocol import SamplingParams
     from arealite.server.sampling import SamplingTensors, sample_next_tokens

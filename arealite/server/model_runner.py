@@ -1,7 +1,7 @@
 """The model side of the embedded server: a HF causal LM decoded in a continuously batched loop.
 
-Rows are left-padded and share one DynamicCache. A new request is prefilled on its own, then
-its cache is left-padded to the running cache's length and concatenated along the batch axis,
+Rows are left-padded and share one DynamicCache. New requests are prefilled together (a prompt
+that several of them share, once), then their cache is left-padded to the running cache's length and concatenated along the batch axis,
 so it joins the very next decoding step; finished rows are dropped from the cache at once.
 Positions come from each row's own token count, so padding never shifts RoPE.
 """
@@ -154,19 +154,23 @@ class ModelRunner:
         return positions, mask.sum(-1), {}
 
     def _prefill(self, seqs: list[Sequence]) -> RunningBatch:
+        """Prefill `seqs` as one left-padded batch. Rows with the same prompt (a GRPO group's
+        samples) are computed once and their cache rows copied: a group of 8 costs one prompt's
+        prefill, which is most of a short rollout's compute."""
         from transformers import DynamicCache
 
-        lens = [len(s.req.input_ids) for s in seqs]
+        unique, row_of = self._unique_prompts(seqs)
+        lens = [len(s.req.input_ids) for s in unique]
         width = max(lens)
-        ids = torch.full((len(seqs), width), 0, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
+        ids = torch.full((len(unique), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(unique), width), dtype=torch.long)
+        for i, s in enumerate(unique):
             ids[i, width - lens[i] :] = torch.tensor(s.req.input_ids)
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions, next_positions, extra = self._prefill_inputs(seqs, ids, mask)
+        positions, next_positions, extra = self._prefill_inputs(unique, ids, mask)
         batch = RunningBatch(
-            seqs=seqs,
+            seqs=unique,
             cache=DynamicCache(config=self.model.config),
             attention_mask=mask,
             positions=next_positions,
@@ -177,8 +181,43 @@ class ModelRunner:
             from transformers.cache_utils import DynamicLayer
 
             self._mergeable = all(type(layer) is DynamicLayer for layer in batch.cache.layers)
+        if row_of is not None:
+            batch, logits = self._expand_rows(batch, seqs, row_of), logits[row_of]
         self._sample(batch, logits)
         return batch
+
+    def _unique_prompts(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The first row of each distinct prompt and, when some repeat, the index of each row's
+        prompt among them. Text rows with plain caches only (images and other cache layers are
+        prefilled row by row as before)."""
+        if self.accepts_images or not self._mergeable or len(seqs) < 2:
+            return seqs, None
+        first: dict[tuple[int, ...], int] = {}
+        unique: list[Sequence] = []
+        row_of = []
+        for s in seqs:
+            key = tuple(s.req.input_ids)
+            if key not in first:
+                first[key] = len(unique)
+                unique.append(s)
+            row_of.append(first[key])
+        if len(unique) == len(seqs):
+            return seqs, None
+        return unique, torch.tensor(row_of, device=self.device)
+
+    @staticmethod
+    def _expand_rows(
+        batch: RunningBatch, seqs: list[Sequence], row_of: torch.Tensor
+    ) -> RunningBatch:
+        """The batch of the distinct prompts, its cache rows repeated so that row i is seqs[i]."""
+        batch.cache.batch_select_indices(row_of)
+        return RunningBatch(
+            seqs=seqs,
+            cache=batch.cache,
+            attention_mask=batch.attention_mask[row_of],
+            positions=batch.positions[row_of],
+            last_tokens=batch.last_tokens[row_of],
+        )
 
     def _decode(self, batch: RunningBatch) -> None:
         ones = batch.attention_mask.new_ones((len(batch.seqs), 1))
