@@ -128,6 +128,54 @@ def test_varlen_groups_equal_a_per_sequence_loop():
     assert len(plan_groups((25,) * 32)) == 1  # short, similar lengths: one call
 
 
+def grouped_batch(n_prompts: int = 3, n_samples: int = 4, seed: int = 7):
+    """GRPO-shaped rows: n_samples responses (own lengths) after each of n_prompts prompts."""
+    from arealite.utils.data import pad_sequences_to_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_prompts):
+        prompt = torch.randint(0, 600, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+        for _ in range(n_samples):
+            resp = torch.randint(
+                0, 600, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g
+            )
+            rows.append({
+                "input_ids": torch.cat([prompt, resp]),
+                "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(resp)),
+            })  # fmt: skip
+    rows.insert(5, rows[0])  # an exact duplicate row, prompt and response
+    return pad_sequences_to_tensors(rows)
+
+
+def test_shared_prompts_are_computed_once_and_change_nothing(make_engine, monkeypatch):
+    """GRPO groups: with share_prompts (the default) the model sees each prompt once, and
+    logprobs, entropies and a whole train step equal those of the full packed forward."""
+    batch = grouped_batch()
+    shared, full = make_engine(share_prompts=True), make_engine(share_prompts=False)
+    tokens_seen = []
+    for engine in (shared, full):
+        engine.model.register_forward_pre_hook(
+            lambda _m, _a, kw: tokens_seen.append(kw["input_ids"].shape[1]), with_kwargs=True
+        )
+    lp_s, ent_s = shared.compute_logprobs(batch, temperature=0.7, with_entropy=True)
+    lp_f, ent_f = full.compute_logprobs(batch, temperature=0.7, with_entropy=True)
+    n_real = int(batch["attention_mask"].sum())
+    assert tokens_seen[1] == n_real > tokens_seen[0]
+    prompts = {
+        tuple(r[: int(a.sum())][m[: int(a.sum())] == 0].tolist())
+        for r, m, a in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+    }
+    assert len(prompts) == 3
+    assert tokens_seen[0] == sum(len(p) for p in prompts) + int(batch["loss_mask"].sum())
+    torch.testing.assert_close(lp_s, lp_f, atol=TOL, rtol=0)
+    torch.testing.assert_close(ent_s, ent_f, atol=TOL, rtol=0)
+    s_shared, s_full = train_step(shared, batch), train_step(full, batch)
+    assert abs(s_shared["loss"] - s_full["loss"]) < TOL
+    assert abs(s_shared["grad_norm"] - s_full["grad_norm"]) < 1e-4
+    assert_weights_close(full_weights(shared), full_weights(full))
+
+
 def test_forward_restores_original_order(make_engine):
     batch = make_batch(n=7, seed=5)
     engine = make_engine(max_tokens=40)  # balanced split reorders sequences

@@ -105,6 +105,14 @@ class TrainEngineConfig(ConfigBase):
             "device) | flash_attention_2 (GPU) | sdpa / eager (dense block-diagonal mask)."
         ),
     )
+    share_prompts: bool = field(
+        default=True,
+        metadata=_help(
+            "Compute a prompt that several sequences of a micro-batch share (a GRPO group's) "
+            "once: exact, ~2x fewer tokens when responses are as short as prompts "
+            "(sdpa_varlen, text models)."
+        ),
+    )
     dtype: Dtype = field(default="float32", metadata=_help("Master weight dtype."))
     gradient_checkpointing: bool = False
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -34,7 +34,13 @@ from arealite.api.engine_api import TrainEngine
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
 from arealite.engine.batch_validation import validate_model_batch
 from arealite.engine.micro_batches import dummy_mb, split_across_ranks
-from arealite.engine.packing import block_causal_mask, packed_logprobs, packed_position_ids
+from arealite.engine.packing import (
+    SharedPrompts,
+    block_causal_mask,
+    packed_logprobs,
+    packed_position_ids,
+    shared_prompt_plan,
+)
 from arealite.engine.vlm_inputs import vlm_forward_mb
 from arealite.utils import distributed as du
 from arealite.utils.data import MicroBatchList, pack_tensor_dict
@@ -136,8 +142,39 @@ class BaseHFEngine(TrainEngine):
         shifted to token alignment)."""
         if is_vlm_config(self.model.config):
             return vlm_forward_mb(self.model, mb, self._model_inputs, self.config.attn_impl)
-        out = self.model(**self._model_inputs(mb)).logits[0]
+        shared = self._shared_prompts(mb)
+        if shared is None:
+            out = self.model(**self._model_inputs(mb)).logits[0]
+        else:  # each shared prompt computed once, the results expanded to the packed layout
+            out = self.model(**self._model_inputs(self._kept_tokens(mb, shared))).logits[0]
+            out = out[shared.expand]
         return out.squeeze(-1).float() if self.config.is_critic else out
+
+    def _shared_prompts(self, mb: dict[str, Any]) -> SharedPrompts | None:
+        """The plan for computing each prompt that several sequences of `mb` share once
+        (`share_prompts`; sdpa_varlen only: its attention reads prompts through an index)."""
+        if not (
+            self.config.share_prompts
+            and self.config.attn_impl == varlen_attention.NAME
+            and "loss_mask" in mb
+            and not mb.get("dummy")
+        ):
+            return None
+        return shared_prompt_plan(mb["input_ids"], mb["loss_mask"], mb["cu_seqlens"])
+
+    @staticmethod
+    def _kept_tokens(mb: dict[str, Any], shared: SharedPrompts) -> dict[str, Any]:
+        """The micro-batch's model inputs restricted to the kept tokens; the attention plan
+        rides on `cu_seqlens`, which every attention layer receives."""
+        cu = mb["cu_seqlens"].clone()
+        lengths = tuple(cu.diff().tolist())
+        cu._arealite_plan = varlen_attention.shared_prompt_gather_plan(lengths, shared, cu.device)
+        return dict(
+            input_ids=mb["input_ids"][shared.kept],
+            position_ids=mb["position_ids"][shared.kept],
+            cu_seqlens=cu,
+            max_seqlen=mb["max_seqlen"],
+        )
 
     # -- TrainEngine -------------------------------------------------------------------------
 

@@ -9,10 +9,18 @@ the same shift.
 Masks. Packed sequences must never attend to each other: sdpa_varlen / flash_attention_2 take
 `cu_seqlens`; sdpa / eager need `block_causal_mask` (position_ids alone are NOT enough with
 sdpa/eager: checked on transformers 5.23, logits then differ by O(1)).
+
+Shared prompts. A GRPO group packs n samples of one prompt: the prompt's tokens, up to the first
+target, are the same in all n and, attention being causal, so are their hidden states and
+logits. `SharedPrompts` computes each such prefix once: the model runs on the kept tokens only
+(a prompt once per group, every response), sdpa_varlen attends each sequence to its own prompt
+through an index, and the logits are expanded back to the packed layout, so everything
+downstream (logprobs, losses, values) is unchanged and exact.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,3 +84,42 @@ def target_mask(mb: dict[str, Any]) -> torch.Tensor:
     starts = mb["cu_seqlens"][:-1].long()
     mask[starts[starts < mask.numel()]] = False
     return mask
+
+
+@dataclass
+class SharedPrompts:
+    """Which packed tokens the model computes when sequences share their prompt.
+
+    `kept[c]`: the packed index of computed token c (a shared prompt's tokens are those of its
+    first sequence); `expand[t]`: the computed token whose result packed token t takes."""
+
+    kept: torch.Tensor  # [T'] long
+    expand: torch.Tensor  # [T] long
+
+    @property
+    def owned(self) -> torch.Tensor:
+        """[T] bool: packed token t is the one its computed token was taken from."""
+        return self.kept[self.expand] == torch.arange(len(self.expand), device=self.kept.device)
+
+
+def shared_prompt_plan(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> SharedPrompts | None:
+    """The plan for a packed micro-batch, or None when no two sequences share a prompt (the
+    tokens before a sequence's first target)."""
+    ids, targets, cu = input_ids.tolist(), loss_mask.tolist(), cu_seqlens.tolist()
+    first_of: dict[tuple[int, ...], int] = {}  # prompt -> packed start of its first sequence
+    kept: list[int] = []
+    expand = [0] * len(ids)
+    for a, b in zip(cu[:-1], cu[1:]):
+        n_prompt = next((j for j in range(a + 1, b) if targets[j]), b) - a
+        owner = first_of.setdefault(tuple(ids[a : a + n_prompt]), a)
+        own_from = a if owner == a else a + n_prompt
+        if owner != a:
+            expand[a:own_from] = expand[owner : owner + n_prompt]
+        expand[own_from:b] = range(len(kept), len(kept) + b - own_from)
+        kept.extend(range(own_from, b))
+    if len(kept) == len(ids):
+        return None
+    device = input_ids.device
+    return SharedPrompts(torch.tensor(kept, device=device), torch.tensor(expand, device=device))

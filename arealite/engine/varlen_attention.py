@@ -14,7 +14,8 @@ the sorted lengths; cached per length profile). 32 GRPO samples of ~25 tokens be
 call instead of 32; lengths spread over 64..512 become a few calls of similar lengths. On
 CPU short groups use the math kernel, whose backward is several times faster than the CPU
 flash kernel's below ~128 tokens. Registered with transformers' AttentionInterface under
-this name; `attn_impl: sdpa_varlen` selects it.
+this name; `attn_impl: sdpa_varlen` selects it. A row holding each shared prompt once
+(packing.SharedPrompts) comes with its plan attached to `cu_seq_lens_q` (`_arealite_plan`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def _gather_plan(lengths: tuple[int, ...], device: torch.device):
     """Per group (token index [n, M] into the packed row, flat index of its real tokens in
     the [n*M] padded layout), and the permutation from group order back to packed order
     (None when groups already come in packed order: one copy less on the hot path)."""
+    return _build_plan(lengths, device)
+
+
+def shared_prompt_gather_plan(lengths: tuple[int, ...], shared, device: torch.device):
+    """`_gather_plan` for a row that holds each shared prompt once (packing.SharedPrompts):
+    every sequence still attends over its whole length, reading its prompt's keys and values
+    through `shared.expand`; a prompt's outputs come from its first sequence only."""
+    return _build_plan(lengths, device, shared.expand.cpu(), shared.owned.cpu())
+
+
+def _build_plan(lengths, device, src=None, owned=None):
+    """`src[t]`: where token t of the sequences sits in the computed row (None: at t);
+    `owned[t]`: whether token t's output is the one the row keeps (None: all are)."""
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
@@ -74,11 +88,15 @@ def _gather_plan(lengths: tuple[int, ...], device: torch.device):
         lens = torch.tensor([lengths[i] for i in members])[:, None]
         real = pos[None] < lens
         index = torch.where(real, first + pos[None], first)  # pads re-read a real token
-        groups.append((index.to(device), real.flatten().nonzero()[:, 0].to(device), longest))
-        order.append(index[real])
-    inverse = torch.empty(starts[-1], dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(starts[-1])
-    if torch.equal(inverse, torch.arange(starts[-1])):
+        emit = real if owned is None else real & owned[index]
+        if src is not None:
+            index = src[index]
+        groups.append((index.to(device), emit.flatten().nonzero()[:, 0].to(device), longest))
+        order.append(index[emit])
+    order = torch.cat(order)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[order] = torch.arange(len(order))
+    if torch.equal(inverse, torch.arange(len(order))):
         return groups, None
     return groups, inverse.to(device)
 
@@ -110,19 +128,20 @@ def sdpa_varlen_attention(
         raise ValueError(f"attn_impl={NAME} needs cu_seq_lens_q (packed inputs)")
     if query.shape[0] != 1:
         raise ValueError(f"attn_impl={NAME} expects one packed row, got batch {query.shape[0]}")
-    lengths = packed_lengths(cu_seq_lens_q)
-    groups, inverse = _gather_plan(lengths, query.device)
+    groups, inverse = getattr(cu_seq_lens_q, "_arealite_plan", None) or _gather_plan(
+        packed_lengths(cu_seq_lens_q), query.device
+    )
     # [T, H, D] token-major views: a group's rows are one index_select away.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     dropout_p = dropout if module.training else 0.0
     outs = []
-    for index, real, longest in groups:
+    for index, emit, longest in groups:
         qg, kg, vg = (x[index].transpose(1, 2) for x in (q, k, v))  # [n, H, M, D]
         with _kernel_for(query.device, longest):
             og = F.scaled_dot_product_attention(
                 qg, kg, vg, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=True
             )
-        outs.append(og.transpose(1, 2).flatten(0, 1)[real])  # real tokens, [sum L, H, D]
+        outs.append(og.transpose(1, 2).flatten(0, 1)[emit])  # kept tokens, [sum L, H, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return (out if inverse is None else out[inverse])[None], None
 
