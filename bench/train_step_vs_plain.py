@@ -11,11 +11,13 @@ Figures (one JSON line per case, ratio last):
 - `ratio` = arealite_step / plain_step (goal <= 1.3) and, in a fresh process each,
   `peak_rss_mb` of both (goal: arealite / plain <= 1.2 on case b).
 Cases: (a) the tiny ~5M Qwen2, 32 sequences of 17..33 tokens (4 prompts x 8 samples, up to 16
-new tokens); (b) a ~50M Qwen2, 16 sequences with lengths uniform over 64..512. Both systems
+new tokens); (b) a ~50M Qwen2, 16 sequences with lengths uniform over 64..512; (g) the demo's
+GRPO batch: 2.5M Qwen2, 16 prompts x 8 samples sharing their 14-token prompt, 1..8 new tokens
+(the trainer computes each shared prompt once, `actor.share_prompts`; the plain step pads). Both systems
 alternate within one process (median over rounds) because the machine is shared and noisy.
 `--profile` adds a torch.profiler breakdown of one arealite step (top ops by self CPU time).
 
-    python bench/train_step_vs_plain.py [--cases a,b] [--rounds 5] [--profile]
+    python bench/train_step_vs_plain.py [--cases a,b,g] [--rounds 5] [--profile]
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ CASES = {
     # name: (hidden, layers, intermediate, heads, kv_heads, n_seqs, min_len, max_len, prompt_len)
     "a": dict(hidden=256, layers=6, inter=768, heads=8, kv=4, n=32, lo=17, hi=33, prompt=9),
     "b": dict(hidden=512, layers=12, inter=1536, heads=8, kv=4, n=16, lo=64, hi=512, prompt=32),
+    # the demo's GRPO batch: its 2.5M model, 16 prompts x 8 samples, 14-token prompts that a
+    # group shares, answers of 1..8 tokens
+    "g": dict(hidden=256, layers=4, inter=512, heads=4, kv=2, n=128, lo=15, hi=22, prompt=14,
+              group=8),  # fmt: skip
 }
 
 
@@ -62,6 +68,8 @@ def make_batch(case: dict, vocab: int, seed: int = 0):
     lens = torch.randint(lo, hi + 1, (n,), generator=g)
     L = int(lens.max())
     ids = torch.randint(3, vocab, (n, L), generator=g)
+    if case.get("group"):  # a group's samples share their prompt
+        ids[:, :p] = ids[:: case["group"], :p].repeat_interleave(case["group"], 0)
     att = torch.arange(L)[None] < lens[:, None]
     loss_mask = att & (torch.arange(L)[None] >= p)
     ids = torch.where(att, ids, 0)
@@ -214,7 +222,7 @@ def vm_hwm_mb() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default="a,b")
+    p.add_argument("--cases", default="a,b,g")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true")
