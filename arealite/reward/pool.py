@@ -146,9 +146,12 @@ class RewardPool:
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
         gen = self._generation()
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(f) for f in gen.warmup)), WARMUP_TIMEOUT_S
-            )
+            if not all(f.done() for f in gen.warmup):  # a call per sample: skip once warm
+                await asyncio.wait_for(
+                    asyncio.gather(*(asyncio.wrap_future(f) for f in gen.warmup)), WARMUP_TIMEOUT_S
+                )
+            for f in gen.warmup:
+                f.result()  # a worker that failed to start raises BrokenProcessPool here
         except (BrokenProcessPool, asyncio.TimeoutError) as e:
             self._retire(gen)
             raise RuntimeError(
