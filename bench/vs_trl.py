@@ -14,6 +14,7 @@ gradient); then, over seeds, the mean time to reach each accuracy level and the 
 TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install -e .[bench]`).
 
     python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
+                           [--arealite-args "actor.dynamic_sampling=false ..."]
 """
 
 from __future__ import annotations
@@ -47,15 +48,16 @@ def cpu_seconds_of_children() -> float:
 # ----------------------------------------------------------------------------- arealite
 
 
-def run_arealite(model: str, seed: int, minutes: float, workdir: str) -> dict:
-    """The launcher on arith_grpo.yaml, stopped (SIGTERM) once an evaluation past the budget is
-    logged; the evaluations are read from its metrics.jsonl."""
+def run_arealite(model: str, seed: int, minutes: float, workdir: str, extra=()) -> dict:
+    """The launcher on arith_grpo.yaml (plus `extra` overrides), stopped (SIGTERM) once an
+    evaluation past the budget is logged; the evaluations are read from its metrics.jsonl."""
     run = f"seed{seed}"
     args = [
         f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
         f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
         "evaluator.freq_steps=null", "evaluator.freq_secs=60",
         f"actor.optimizer.lr={LR}", "actor.optimizer.lr_scheduler_type=constant",  # as TRL's arm
+        *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
            "--config", os.path.join(EXAMPLES, "configs", "arith_grpo.yaml"), *args]  # fmt: skip
@@ -228,6 +230,8 @@ def main() -> None:
     p.add_argument("--systems", default="trl,arealite")
     p.add_argument("--workdir", default=None)
     p.add_argument("--model-path", default=None, help="a warm start (default: build one)")
+    p.add_argument("--arealite-args", default="",
+                   help="extra overrides for arealite's arm, e.g. actor.dynamic_sampling=false")  # fmt: skip
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
@@ -236,7 +240,8 @@ def main() -> None:
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
     model = args.model_path or build_warm_start(workdir, [])
-    runners = {"trl": run_trl, "arealite": run_arealite}
+    extra = args.arealite_args.split()
+    runners = {"trl": run_trl, "arealite": lambda *a: run_arealite(*a, extra=extra)}
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for system in args.systems.split(","):
