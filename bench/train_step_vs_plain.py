@@ -41,8 +41,9 @@ CASES = {
     "b": dict(hidden=512, layers=12, inter=1536, heads=8, kv=4, n=16, lo=64, hi=512, prompt=32),
     # the demo's GRPO batch: its 2.5M model, 16 prompts x 8 samples, 14-token prompts that a
     # group shares, answers of 1..8 tokens
-    "g": dict(hidden=256, layers=4, inter=512, heads=4, kv=2, n=128, lo=15, hi=22, prompt=14,
-              group=8),  # fmt: skip
+    "g": dict(
+        hidden=256, layers=4, inter=512, heads=4, kv=2, n=128, lo=15, hi=22, prompt=14, group=8
+    ),  # fmt: skip
 }
 
 
