@@ -43,7 +43,7 @@ CASES = {
     # group shares, answers of 1..8 tokens
     "g": dict(
         hidden=256, layers=4, inter=512, heads=4, kv=2, n=128, lo=15, hi=22, prompt=14, group=8
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -142,39 +142,15 @@ class BaseHFEngine(TrainEngine):
         shifted to token alignment)."""
         if is_vlm_config(self.model.config):
             return vlm_forward_mb(self.model, mb, self._model_inputs, self.config.attn_impl)
-        shared = self._shared_prompts(mb)
+        shared = None
+        if self.config.share_prompts and self.config.attn_impl == varlen_attention.NAME:
+            shared = shared_prompts_of(mb)  # sdpa_varlen reads a prompt through an index
         if shared is None:
             out = self.model(**self._model_inputs(mb)).logits[0]
         else:  # each shared prompt computed once, the results expanded to the packed layout
-            out = self.model(**self._model_inputs(self._kept_tokens(mb, shared))).logits[0]
+            out = self.model(**self._model_inputs(kept_tokens(mb, shared))).logits[0]
             out = out[shared.expand]
         return out.squeeze(-1).float() if self.config.is_critic else out
-
-    def _shared_prompts(self, mb: dict[str, Any]) -> SharedPrompts | None:
-        """The plan for computing each prompt that several sequences of `mb` share once
-        (`share_prompts`; sdpa_varlen only: its attention reads prompts through an index)."""
-        if not (
-            self.config.share_prompts
-            and self.config.attn_impl == varlen_attention.NAME
-            and "loss_mask" in mb
-            and not mb.get("dummy")
-        ):
-            return None
-        return shared_prompt_plan(mb["input_ids"], mb["loss_mask"], mb["cu_seqlens"])
-
-    @staticmethod
-    def _kept_tokens(mb: dict[str, Any], shared: SharedPrompts) -> dict[str, Any]:
-        """The micro-batch's model inputs restricted to the kept tokens; the attention plan
-        rides on `cu_seqlens`, which every attention layer receives."""
-        cu = mb["cu_seqlens"].clone()
-        lengths = tuple(cu.diff().tolist())
-        cu._arealite_plan = varlen_attention.shared_prompt_gather_plan(lengths, shared, cu.device)
-        return dict(
-            input_ids=mb["input_ids"][shared.kept],
-            position_ids=mb["position_ids"][shared.kept],
-            cu_seqlens=cu,
-            max_seqlen=mb["max_seqlen"],
-        )
 
     # -- TrainEngine -------------------------------------------------------------------------
 
@@ -316,6 +292,27 @@ class BaseHFEngine(TrainEngine):
         if res is None or not with_entropy:
             return None if res is None else res.cpu()
         return res[..., 0].cpu(), res[..., 1].cpu()
+
+
+def shared_prompts_of(mb: dict[str, Any]) -> SharedPrompts | None:
+    """The plan for computing once each prompt that several sequences of `mb` share."""
+    if "loss_mask" not in mb or mb.get("dummy"):
+        return None
+    return shared_prompt_plan(mb["input_ids"], mb["loss_mask"], mb["cu_seqlens"])
+
+
+def kept_tokens(mb: dict[str, Any], shared: SharedPrompts) -> dict[str, Any]:
+    """The micro-batch's model inputs restricted to the kept tokens; the attention plan rides
+    on `cu_seqlens`, which every attention layer receives."""
+    cu = mb["cu_seqlens"].clone()
+    lengths = tuple(cu.diff().tolist())
+    cu._arealite_plan = varlen_attention.shared_prompt_gather_plan(lengths, shared, cu.device)
+    return dict(
+        input_ids=mb["input_ids"][shared.kept],
+        position_ids=mb["position_ids"][shared.kept],
+        cu_seqlens=cu,
+        max_seqlen=mb["max_seqlen"],
+    )
 
 
 def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Rows are left-padded and share one transformers DynamicCache. Joining and leaving are pure
 tensor bookkeeping, kept apart from the model so `ModelRunner` reads as prefill/decode/sample:
 a prefilled batch joins by left-padding the shorter cache and concatenating along rows, and
-finished rows leave at once, taking with them the columns that no remaining row uses.
+finished rows leave at once, taking with them the columns that no remaining row uses. Rows that
+share a prompt are prefilled once and repeated (`unique_prompts`, `repeat_rows`).
 """
 
 from __future__ import annotations
@@ -69,4 +70,33 @@ def keep_rows(batch: RunningBatch, keep_list: list[int], trim_padding: bool) -> 
         attention_mask=mask[:, start:],
         positions=batch.positions[keep],
         last_tokens=batch.last_tokens[keep],
+    )
+
+
+def unique_prompts(seqs: list) -> tuple[list, torch.Tensor | None]:
+    """The first row of each distinct prompt and, when some repeat, the index of each row's
+    prompt among them (None when all differ)."""
+    first: dict[tuple[int, ...], int] = {}
+    unique, row_of = [], []
+    for s in seqs:
+        key = tuple(s.req.input_ids)
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(s)
+        row_of.append(first[key])
+    if len(unique) == len(seqs):
+        return seqs, None
+    return unique, torch.tensor(row_of)
+
+
+def repeat_rows(batch: RunningBatch, seqs: list, row_of: torch.Tensor) -> RunningBatch:
+    """A batch prefilled for distinct prompts, its rows (and cache rows) repeated so that row i
+    is seqs[i]."""
+    batch.cache.batch_select_indices(row_of)
+    return RunningBatch(
+        seqs=seqs,
+        cache=batch.cache,
+        attention_mask=batch.attention_mask[row_of],
+        positions=batch.positions[row_of],
+        last_tokens=batch.last_tokens[row_of],
     )

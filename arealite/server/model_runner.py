@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arealite.server.kv_batch import RunningBatch, keep_rows, merge_batches
+from arealite.server.kv_batch import (
+    RunningBatch,
+    keep_rows,
+    merge_batches,
+    repeat_rows,
+    unique_prompts,
+)
 from arealite.server.protocol import GenerateRequest
 from arealite.server.sampling import SamplingTensors, sample_next_tokens, top_logprobs
 from arealite.utils.hardware import resolve_dtype
@@ -159,7 +165,8 @@ class ModelRunner:
         prefill, which is most of a short rollout's compute."""
         from transformers import DynamicCache
 
-        unique, row_of = self._unique_prompts(seqs)
+        shareable = self._mergeable and not self.accepts_images  # plain text caches only
+        unique, row_of = unique_prompts(seqs) if shareable else (seqs, None)
         lens = [len(s.req.input_ids) for s in unique]
         width = max(lens)
         ids = torch.full((len(unique), width), 0, dtype=torch.long)
@@ -182,42 +189,10 @@ class ModelRunner:
 
             self._mergeable = all(type(layer) is DynamicLayer for layer in batch.cache.layers)
         if row_of is not None:
-            batch, logits = self._expand_rows(batch, seqs, row_of), logits[row_of]
+            row_of = row_of.to(self.device)
+            batch, logits = repeat_rows(batch, seqs, row_of), logits[row_of]
         self._sample(batch, logits)
         return batch
-
-    def _unique_prompts(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """The first row of each distinct prompt and, when some repeat, the index of each row's
-        prompt among them. Text rows with plain caches only (images and other cache layers are
-        prefilled row by row as before)."""
-        if self.accepts_images or not self._mergeable or len(seqs) < 2:
-            return seqs, None
-        first: dict[tuple[int, ...], int] = {}
-        unique: list[Sequence] = []
-        row_of = []
-        for s in seqs:
-            key = tuple(s.req.input_ids)
-            if key not in first:
-                first[key] = len(unique)
-                unique.append(s)
-            row_of.append(first[key])
-        if len(unique) == len(seqs):
-            return seqs, None
-        return unique, torch.tensor(row_of, device=self.device)
-
-    @staticmethod
-    def _expand_rows(
-        batch: RunningBatch, seqs: list[Sequence], row_of: torch.Tensor
-    ) -> RunningBatch:
-        """The batch of the distinct prompts, its cache rows repeated so that row i is seqs[i]."""
-        batch.cache.batch_select_indices(row_of)
-        return RunningBatch(
-            seqs=seqs,
-            cache=batch.cache,
-            attention_mask=batch.attention_mask[row_of],
-            positions=batch.positions[row_of],
-            last_tokens=batch.last_tokens[row_of],
-        )
 
     def _decode(self, batch: RunningBatch) -> None:
         ones = batch.attention_mask.new_ones((len(batch.seqs), 1))
