@@ -1,8 +1,9 @@
 """The model side of the embedded server: a HF causal LM decoded in a continuously batched loop.
 
 Rows are left-padded and share one DynamicCache. New requests are prefilled together (a prompt
-that several of them share, once), then their cache is left-padded to the running cache's length and concatenated along the batch axis,
-so it joins the very next decoding step; finished rows are dropped from the cache at once.
+that several of them share, once), then their cache is left-padded to the running cache's
+length and concatenated along the batch axis, so they join the very next decoding step;
+finished rows are dropped from the cache at once.
 Positions come from each row's own token count, so padding never shifts RoPE.
 """
 
