@@ -324,6 +324,44 @@ def test_abort_by_someone_else_is_resumed(engine, server):
     assert engine.stats()["aborted_chunks"] == aborted_before + 1
 
 
+def test_a_group_is_one_batch_call_sampling_as_single_calls_do(engine):
+    """agenerate_group sends SGLang's batch form: one call for 4 seeded samples, each the
+    tokens and logprobs the same request gets alone (seeded draws ignore batch-mates)."""
+    reqs = [ModelRequest(input_ids=PROMPT, gconfig=gen(6, seed=100 + i)) for i in range(4)]
+    calls = engine.stats()["generate_calls"]
+    group = asyncio.run(engine.agenerate_group(reqs))
+    assert engine.stats()["generate_calls"] == calls + 1
+    alone = [asyncio.run(engine.agenerate(r)) for r in reqs]
+    assert [r.output_tokens for r in group] == [r.output_tokens for r in alone]
+    assert len({tuple(r.output_tokens) for r in group}) > 1  # the seeds sample apart
+    for g, a in zip(group, alone):
+        assert g.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-5)
+        assert g.input_tokens == PROMPT and g.stop_reason == a.stop_reason
+
+
+def test_an_aborted_group_resumes_together_with_its_whole_budget(engine, server):
+    budget, n = 48, 3
+    reqs = [ModelRequest(input_ids=PROMPT, gconfig=gen(budget, ignore_eos=True)) for _ in range(n)]
+
+    async def scenario():
+        start = metrics(server)["arealite_generation_tokens_total"]
+        task = asyncio.ensure_future(engine.agenerate_group(reqs))
+        await until(lambda: metrics(server)["arealite_generation_tokens_total"] - start >= 4 * n)
+        await asyncio.to_thread(post, server, "/pause_generation")
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await asyncio.to_thread(post, server, "/continue_generation")
+        return await task
+
+    before = engine.stats()
+    resps = asyncio.run(scenario())
+    assert [r.output_len for r in resps] == [budget] * n
+    assert all(r.stop_reason == "length" and len(r.output_logprobs) == budget for r in resps)
+    after = engine.stats()
+    assert after["aborted_chunks"] == before["aborted_chunks"] + n
+    assert after["generate_calls"] == before["generate_calls"] + 2  # the batch, then its rest
+
+
 def test_a_weight_rollback_is_refused_and_the_trainer_sees_it(server, tiny_model_dir, monkeypatch):
     """A stray trainer (an older owner of the run, or the same one going back) cannot roll
     the server's weights back: update_weights raises naming the server and both versions."""

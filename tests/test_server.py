@@ -137,6 +137,32 @@ def test_64_concurrent_requests_batch_and_logprobs_match_forward(server, ref_mod
 
 
 @pytest.mark.integration
+def test_batch_form_answers_a_list_in_order(server):
+    """SGLang's batch form: prompts with per-prompt rids and params (or one shared dict),
+    answered in order; each answer is what the prompt gets alone."""
+    p, q = [5, 6, 7, 8], [9, 10]
+    sp = [
+        {"max_new_tokens": 5, "sampling_seed": 1, "ignore_eos": True},
+        {"max_new_tokens": 5, "sampling_seed": 2, "ignore_eos": True},
+        {"max_new_tokens": 0},
+    ]
+    body = {"input_ids": [p, p, q], "rid": ["a", "b", "c"], "sampling_params": sp}
+    status, out = post(server, "/generate", {**body, "return_logprob": True})
+    assert status == 200 and isinstance(out, list), out
+    assert [o["meta_info"]["id"] for o in out] == ["a", "b", "c"]
+    assert [len(o["output_ids"]) for o in out] == [5, 5, 0]
+    for ids, params, o in zip([p, p], sp, out):
+        alone = generate(server, ids, **params)
+        assert o["output_ids"] == alone["output_ids"]
+        got = [e[0] for e in o["meta_info"]["output_token_logprobs"]]
+        want = [e[0] for e in alone["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=1e-5)
+    shared = {"input_ids": [p, q], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    status, out = post(server, "/generate", shared)
+    assert status == 200 and [len(o["output_ids"]) for o in out] == [2, 2]
+
+
+@pytest.mark.integration
 def test_greedy_is_deterministic_and_top_k_1_or_tiny_top_p_equal_greedy(server):
     p = prompts(1, seed=3)[0]
     greedy = generate(server, p, max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -359,7 +385,12 @@ BAD_BODIES = [
     (b'{"input_ids": [5], "sampling_params": {"top_p": 0}}', "top_p"),
     (b'{"input_ids": [5], "sampling_params": {"stop_token_ids": [100000]}}', "stop_token_ids"),
     (b'{"input_ids": [5], "sampling_params": {"bogus": 1}}', "bogus"),
-    (b'{"input_ids": [[5, 6], [7]]}', "batched"),
+    (b'{"input_ids": [[5, 6], [7, "x"]]}', "batch item 1: input_ids[1]"),
+    (b'{"input_ids": [5, [6]]}', "input_ids[1]: a batch must be a list of prompts"),
+    (b'{"input_ids": [[5], [6]], "rid": ["a"]}', "rid: 1 values for a batch of 2"),
+    (b'{"input_ids": [[5], [6]], "rid": ["a", "a"]}', "'a' appears more than once"),
+    (b'{"input_ids": [[5], [6]], "rid": "a"}', "rid: a batch needs a list"),
+    (b'{"input_ids": [[5], [6]], "sampling_params": [{}, {"top_p": 0}]}', "batch item 1: sampling"),
 ]
 
 

@@ -185,6 +185,25 @@ def test_reward_pool_replaces_stuck_workers():
         RewardPool(lambda **kw: 1.0)
 
 
+def test_a_group_is_scored_in_one_task_per_worker_and_one_bad_sample_spares_the_rest():
+    """pool.many: 6 calls in 2 worker tasks; a raising call scores 0 with its worker-side
+    traceback kept; a hanging one times its chunk out, whose calls are retried one by one so
+    only the stuck call scores 0."""
+    pool = RewardPool(rewards.by_row, max_workers=2, timeout=2.0)
+    base = dict(prompt="", completions="", prompt_ids=[], completion_ids=[])
+    plan = ["ok", "raise", "ok", "ok", "hang", "ok"]
+    calls = [((), {**base, "i": i, "do": do}) for i, do in enumerate(plan)]
+    try:
+        scores = asyncio.run(pool.many(calls))
+        assert scores == [0.0, 0.0, 2.0, 3.0, 0.0, 5.0]
+        assert pool.stats == {"calls": 6, "ok": 4, "timeouts": 1, "errors": 1}
+        assert "sample 1 exploded" in pool.errors.first_traceback
+        assert "in by_row" in pool.errors.first_traceback  # the worker's frames, not ours
+        assert asyncio.run(pool.many(calls[:1])) == [0.0]  # a fresh pool serves on
+    finally:
+        pool.close()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

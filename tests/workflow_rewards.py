@@ -44,3 +44,12 @@ def hangs_if_asked(prompt, completions, prompt_ids, completion_ids, **row):
     if row.get("hang"):
         time.sleep(3600)
     return 1.0
+
+
+def by_row(prompt, completions, prompt_ids, completion_ids, **row):
+    """Per-sample behaviour for group tests: row["do"] is "ok", "raise" or "hang"."""
+    if row["do"] == "raise":
+        raise ValueError(f"sample {row['i']} exploded on purpose")
+    if row["do"] == "hang":
+        time.sleep(3600)
+    return float(row["i"])

@@ -7,6 +7,7 @@ FSDP on a laptop CPU or a GPU cluster, and with SGLang, vLLM or the embedded ser
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,11 @@ class InferenceEngine(abc.ABC):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate for one request. Interrupted generations (weight updates) are resumed
         transparently; every output token records the weight version that produced it."""
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """Generate for several requests (a GRPO group), answers in order. Engines that can
+        send them as one call (SGLang's batch form) override this; here, concurrent calls."""
+        return list(await asyncio.gather(*(self.agenerate(r) for r in reqs)))
 
     @abc.abstractmethod
     def update_weights(self, meta: WeightUpdateMeta) -> Future:

@@ -24,7 +24,11 @@ from typing import Any
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
-from arealite.inference.remote_generate import GenerateChunk, generate_resumable
+from arealite.inference.remote_generate import (
+    GenerateChunk,
+    generate_group_resumable,
+    generate_resumable,
+)
 from arealite.inference.remote_weights import WeightUpdates
 from arealite.inference.server_http import ServerError, ServerHTTP, ServerUnavailable, parse_version
 from arealite.inference.server_pool import NoServerAvailable, ServerPool, resolve_addresses
@@ -56,6 +60,7 @@ class RemoteInferenceEngine(InferenceEngine):
     """An InferenceEngine over HTTP to a list of servers; subclasses speak one server's API."""
 
     health_path = "/health"
+    batch_generate = False  # the server answers SGLang's batch form (see build_batch_payload)
 
     def __init__(self, config: InferenceEngineConfig):
         self.config = config
@@ -83,6 +88,13 @@ class RemoteInferenceEngine(InferenceEngine):
     @abc.abstractmethod
     def parse_generate_response(self, body: Any) -> GenerateChunk:
         """Tokens, logprobs, finish type and version out of one generate answer."""
+
+    def build_batch_payload(
+        self, calls: list[tuple[ModelRequest, list[int], int, int]]
+    ) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of one call generating for several requests, each given as
+        build_generate_payload's arguments; only where `batch_generate`."""
+        raise NotImplementedError(f"{type(self).__name__} has no batch generate call")
 
     @abc.abstractmethod
     async def pause_server(self, addr: str) -> None:
@@ -185,6 +197,21 @@ class RemoteInferenceEngine(InferenceEngine):
         if asyncio.get_running_loop() is self._loop.loop:
             return await generate_resumable(self, req)
         return await asyncio.wrap_future(self._loop.run(generate_resumable(self, req)))
+
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        """Generate for several requests (a GRPO group): one batch call per round where the
+        server takes SGLang's batch form (`batch_generate`), else concurrent single calls;
+        either way one hop to the client's loop."""
+        for req in reqs:
+            self._validate_request(req)
+        if asyncio.get_running_loop() is self._loop.loop:
+            return await self._generate_group(reqs)
+        return await asyncio.wrap_future(self._loop.run(self._generate_group(reqs)))
+
+    async def _generate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        if self.batch_generate and len(reqs) > 1:
+            return await generate_group_resumable(self, reqs)
+        return list(await asyncio.gather(*(generate_resumable(self, r) for r in reqs)))
 
     def _validate_request(self, req: ModelRequest) -> None:
         if req.gconfig.n_samples != 1:

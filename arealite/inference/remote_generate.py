@@ -1,4 +1,4 @@
-"""Interruptible generation of a remote inference client: one request, resumed across aborts.
+"""Interruptible generation of a remote inference client: requests resumed across aborts.
 
 A weight update aborts in-flight generation; the request is resubmitted as prompt + tokens so
 far with the remaining budget once generation is allowed again, and every token records the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from arealite.api.cli_args import InferenceEngineConfig
@@ -49,77 +49,132 @@ class GenerateClient(Protocol):
         self, req: ModelRequest, input_ids: list[int], max_new_tokens: int, min_new_tokens: int
     ) -> tuple[str, dict[str, Any]]: ...
     def parse_generate_response(self, body: Any) -> GenerateChunk: ...
+    def build_batch_payload(
+        self, calls: list[tuple[ModelRequest, list[int], int, int]]
+    ) -> tuple[str, dict[str, Any]]: ...
 
 
-async def generate_resumable(c: GenerateClient, req: ModelRequest) -> ModelResponse:
-    """Loop until the budget is spent or the server stops: an abort (weight update) is
-    resumed as prompt + tokens so far once generation is allowed again."""
-    g = req.gconfig
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    stop_reason = "length"
-    start, ttft = time.perf_counter(), float("inf")
-    idle_aborts = 0
-    while len(tokens) < g.max_new_tokens:
-        assert c.gen_allowed is not None
-        await c.gen_allowed.wait()
-        chunk, addr = await generate_chunk(c, req, tokens)
-        if chunk.output_tokens and ttft == float("inf"):
-            ttft = time.perf_counter() - start
+@dataclass
+class Progress:
+    """What one request has generated so far, across the answers of its resumed calls."""
+
+    req: ModelRequest
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop_reason: str = "length"
+    ttft: float = float("inf")
+    idle_aborts: int = 0  # aborts in a row without a token while no weight update ran
+    finished: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.tokens) >= self.req.gconfig.max_new_tokens
+
+    def add(self, c: GenerateClient, chunk: GenerateChunk, start: float) -> None:
+        """Append one answer; an abort leaves the request pending (resumed by the caller)."""
+        if chunk.output_tokens and self.ttft == float("inf"):
+            self.ttft = time.perf_counter() - start
         v = chunk.version if chunk.version is not None else c.weights.version
         c.weights.saw_version(v)
-        tokens += chunk.output_tokens
-        logprobs += chunk.output_logprobs
+        self.tokens += chunk.output_tokens
+        self.logprobs += chunk.output_logprobs
         if chunk.token_versions is None:
-            versions += [v] * len(chunk.output_tokens)
+            self.versions += [v] * len(chunk.output_tokens)
         else:
-            versions += [v if t is None else t for t in chunk.token_versions]
+            self.versions += [v if t is None else t for t in chunk.token_versions]
         if chunk.finish != "abort":
-            stop_reason = chunk.finish
-            break
+            self.stop_reason, self.finished = chunk.finish, True
+            return
         c.counters["aborted_chunks"] += 1
         # Only aborts we did not cause (no weight update under way) count as suspicious.
         if chunk.output_tokens:
-            idle_aborts = 0
-        elif c.gen_allowed.is_set():
-            idle_aborts += 1
-            await backoff_after_abort(c.config, req.rid, addr, idle_aborts)
-    return ModelResponse(
-        input_tokens=list(req.input_ids),
-        output_tokens=tokens,
-        output_logprobs=logprobs,
-        output_versions=versions,
-        stop_reason=stop_reason,  # type: ignore[arg-type]
-        latency=time.perf_counter() - start,
-        ttft=ttft,
-    )
+            self.idle_aborts = 0
+        elif c.gen_allowed is not None and c.gen_allowed.is_set():
+            self.idle_aborts += 1
+
+    def response(self, start: float) -> ModelResponse:
+        return ModelResponse(
+            input_tokens=list(self.req.input_ids),
+            output_tokens=self.tokens,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            stop_reason=self.stop_reason,  # type: ignore[arg-type]
+            latency=time.perf_counter() - start,
+            ttft=self.ttft,
+        )
 
 
-async def generate_chunk(
-    c: GenerateClient, req: ModelRequest, tokens: list[int]
-) -> tuple[GenerateChunk, str]:
-    """One generate call continuing `tokens` with the rest of the budget; (answer, server)."""
-    g = req.gconfig
-    path, payload = c.build_generate_payload(
-        req,
-        list(req.input_ids) + tokens,
-        g.max_new_tokens - len(tokens),
-        max(0, g.min_new_tokens - len(tokens)),
-    )
+async def generate_resumable(c: GenerateClient, req: ModelRequest) -> ModelResponse:
+    """One request until its budget is spent or the server stops it."""
+    return (await generate_group_resumable(c, [req]))[0]
+
+
+async def generate_group_resumable(
+    c: GenerateClient, reqs: list[ModelRequest]
+) -> list[ModelResponse]:
+    """Requests generated together, one batch call per round (the backend must take SGLang's
+    batch form): a GRPO group costs one HTTP exchange, not n. An abort (weight update)
+    resumes the unfinished ones as prompt + tokens so far once generation is allowed again."""
+    start = time.perf_counter()
+    progress = [Progress(r) for r in reqs]
+    while pending := [p for p in progress if not p.done]:
+        assert c.gen_allowed is not None
+        await c.gen_allowed.wait()
+        chunks, addr = await generate_chunks(c, pending)
+        for p, chunk in zip(pending, chunks):
+            p.add(c, chunk, start)
+        stuck = [p.idle_aborts for p in pending if not p.done]
+        if stuck and max(stuck):
+            await backoff_after_abort(c.config, pending[0].req.rid, addr, max(stuck))
+    return [p.response(start) for p in progress]
+
+
+async def generate_chunks(
+    c: GenerateClient, pending: list[Progress]
+) -> tuple[list[GenerateChunk], str]:
+    """One generate call continuing each request with the rest of its budget (a batch call
+    when there are several); (answers in order, server)."""
+    calls = [
+        (
+            p.req,
+            list(p.req.input_ids) + p.tokens,
+            p.req.gconfig.max_new_tokens - len(p.tokens),
+            max(0, p.req.gconfig.min_new_tokens - len(p.tokens)),
+        )
+        for p in pending
+    ]
+    if len(calls) == 1:
+        path, payload = c.build_generate_payload(*calls[0])
+    else:
+        path, payload = c.build_batch_payload(calls)
     # Every live server loaded this version before the request went out: a server answering
     # with older weights restarted behind our back. Take it out (it is restored before it
     # rejoins) and generate elsewhere; each retry removes a server, so this ends.
     expected = max(c.weights.version, c.loaded_elsewhere)
     while True:
-        body, addr = await c.pool.post_with_failover(req.rid, path, payload)
-        chunk = c.parse_generate_response(body)
+        body, addr = await c.pool.post_with_failover(pending[0].req.rid, path, payload)
+        chunks = parse_answers(c, body, len(calls))
         c.counters["generate_calls"] += 1
         # Judged on tokens only: an answer without any has nothing stale to keep out.
-        if not chunk.output_tokens or chunk.version is None or chunk.version >= expected:
-            return chunk, addr
-        reason = f"it serves weights v{chunk.version}, older than v{expected} (restarted?)"
+        stale = [
+            ch.version for ch in chunks
+            if ch.output_tokens and ch.version is not None and ch.version < expected
+        ]  # fmt: skip
+        if not stale:
+            return chunks, addr
+        reason = f"it serves weights v{min(stale)}, older than v{expected} (restarted?)"
         c.pool.mark_failed(addr, reason)
+
+
+def parse_answers(c: GenerateClient, body: Any, n: int) -> list[GenerateChunk]:
+    """A single answer, or a batch call's list of n."""
+    if n == 1:
+        return [c.parse_generate_response(body)]
+    if not isinstance(body, list) or len(body) != n:
+        got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+        raise ValueError(f"/generate batch of {n} prompts answered with {got}")
+    return [c.parse_generate_response(b) for b in body]
 
 
 async def backoff_after_abort(

@@ -30,6 +30,7 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
     """Client of one or more SGLang (or embedded arealite) servers."""
 
     health_path = "/health"
+    batch_generate = True
 
     def build_generate_payload(
         self, req: ModelRequest, input_ids: list[int], max_new_tokens: int, min_new_tokens: int
@@ -45,6 +46,20 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
         }
         if req.image_data:
             payload["image_data"] = req.image_data
+        return "/generate", payload
+
+    def build_batch_payload(
+        self, calls: list[tuple[ModelRequest, list[int], int, int]]
+    ) -> tuple[str, dict[str, Any]]:
+        """SGLang's batch form: a list of prompts with a list of rids, sampling params (each
+        request keeps its own seed and budget) and image lists; answered with a list."""
+        items = [self.build_generate_payload(*call)[1] for call in calls]
+        payload: dict[str, Any] = {
+            key: [item[key] for item in items] for key in ("rid", "input_ids", "sampling_params")
+        }
+        payload["return_logprob"] = True
+        if any("image_data" in item for item in items):
+            payload["image_data"] = [item.get("image_data", []) for item in items]
         return "/generate", payload
 
     def parse_generate_response(self, body: Any) -> GenerateChunk:

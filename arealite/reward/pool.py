@@ -22,6 +22,7 @@ import math
 import multiprocessing
 import pickle
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -42,8 +43,37 @@ def _warmup() -> bool:
     return True
 
 
-def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return fn(*args, **kwargs)
+class RemoteTraceback(Exception):
+    """The worker-side traceback of a failed call, chained as the cause of its exception."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _CallFailed:
+    """A call's exception, sent back in place of its value (with its traceback as text, the
+    part pickling drops) so that one failing sample does not fail its batch-mates."""
+
+    def __init__(self, error: BaseException, traceback_text: str):
+        try:
+            pickle.dumps(error)
+        except Exception:
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        self.error, self.traceback_text = error, traceback_text
+
+    def unwrap(self) -> BaseException:
+        self.error.__cause__ = RemoteTraceback(self.traceback_text)
+        return self.error
+
+
+def _call_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
+    out: list[Any] = []
+    for args, kwargs in calls:
+        try:
+            out.append(fn(*args, **kwargs))
+        except Exception as e:
+            out.append(_CallFailed(e, traceback.format_exc()))
+    return out
 
 
 class _Generation:
@@ -86,7 +116,7 @@ def _kill_all(gens: list[_Generation]) -> None:
 
 class RewardPool:
     """`await pool(*args, **kwargs)` runs `reward_fn(*args, **kwargs)` in a worker process and
-    returns a float; a timeout, an exception or a non-finite value (NaN, inf, not a number)
+    returns a float (`await pool.many(calls)` a list, for a group); a timeout, an exception or a non-finite value (NaN, inf, not a number)
     returns `default` (0.0) and is counted in `stats` (timeouts / errors) and logged once per
     kind with a count; with `fail_fast`, a reward that plainly never works raises
     RewardFailFastError instead (reward_errors.py), so the run stops."""
@@ -144,9 +174,23 @@ class RewardPool:
             return self._current
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        return (await self.many([(args, kwargs)]))[0]
+
+    async def many(self, calls: list[tuple[tuple, dict]]) -> list[float]:
+        """Score several calls (a GRPO group's samples, as `(args, kwargs)`) in one worker
+        task per worker: one inter-process round trip per chunk, not per sample. A chunk gets
+        `timeout` per call; one that times out is retried call by call, so only the stuck call
+        scores `default`."""
+        gen = await self._ready_generation()
+        size = -(-len(calls) // self.max_workers)
+        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
+        scored = await asyncio.gather(*(self._run_chunk(gen, chunk) for chunk in chunks))
+        return [value for chunk in scored for value in chunk]
+
+    async def _ready_generation(self) -> _Generation:
         gen = self._generation()
         try:
-            if not all(f.done() for f in gen.warmup):  # a call per sample: skip once warm
+            if not all(f.done() for f in gen.warmup):  # called per group: skip once warm
                 await asyncio.wait_for(
                     asyncio.gather(*(asyncio.wrap_future(f) for f in gen.warmup)), WARMUP_TIMEOUT_S
                 )
@@ -158,30 +202,49 @@ class RewardPool:
                 f"reward worker processes failed to start (cannot import {self.reward_fn!r}?): "
                 f"{type(e).__name__}: {e}"
             ) from e
-        self.stats["calls"] += 1
-        fut = gen.pool.submit(_call, self.reward_fn, args, kwargs)
+        return gen
+
+    async def _run_chunk(self, gen: _Generation, calls: list[tuple[tuple, dict]]) -> list[float]:
+        fut = gen.pool.submit(_call_many, self.reward_fn, calls)
         with self._lock:
             gen.pending.add(fut)
         fut.add_done_callback(lambda f, g=gen: self._on_finished(g, f))
         try:
-            value = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
+            values = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout * len(calls))
+        except asyncio.TimeoutError:
+            self._retire(gen, stuck=fut)
+            if len(calls) > 1:  # find the stuck call; its batch-mates keep their scores
+                return list(await asyncio.gather(*(self(*c[0], **c[1]) for c in calls)))
+            self.stats["timeouts"] += 1
+            return [self._failed(f"timeout after {self.timeout:g}s")]
+        except Exception as e:  # the task as a whole failed (a dead worker, a result that
+            if isinstance(e, BrokenProcessPool):  # cannot be pickled)
+                self._retire(gen)
+            return [self._error(e) for _ in calls]
+        return [self._score(v) for v in values]
+
+    def _score(self, value: Any) -> float:
+        try:
+            if isinstance(value, _CallFailed):
+                raise value.unwrap()
             value = float(value)
             if not math.isfinite(value):  # NaN / inf would poison the advantages of the group
                 raise ValueError(f"returned a non-finite reward {value}")
-        except asyncio.TimeoutError:
-            self.stats["timeouts"] += 1
-            self._retire(gen, stuck=fut)
-            self.errors.failed(f"timeout after {self.timeout:g}s")
-            return self.default
         except Exception as e:
-            self.stats["errors"] += 1
-            if isinstance(e, BrokenProcessPool):
-                self._retire(gen)
-            self.errors.failed(type(e).__name__, e)
-            return self.default
+            return self._error(e)
+        self.stats["calls"] += 1
         self.stats["ok"] += 1
         self.errors.ok()
         return value
+
+    def _error(self, e: BaseException) -> float:
+        self.stats["errors"] += 1
+        return self._failed(type(e).__name__, e)
+
+    def _failed(self, kind: str, e: BaseException | None = None) -> float:
+        self.stats["calls"] += 1
+        self.errors.failed(kind, e)
+        return self.default
 
     def _on_finished(self, gen: _Generation, fut: concurrent.futures.Future) -> None:
         with self._lock:

@@ -154,11 +154,18 @@ class WeightedRewardPool:
         self._counts = {s: 0 for s, _ in specs}
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
-        values = await asyncio.gather(*(p(*args, **kwargs) for _, _, p in self.components))
-        for (spec, _, _), v in zip(self.components, values):
-            self._sums[spec] += v
-            self._counts[spec] += 1
-        return sum(w * v for (_, w, _), v in zip(self.components, values))
+        return (await self.many([(args, kwargs)]))[0]
+
+    async def many(self, calls: list[tuple[tuple, dict]]) -> list[float]:
+        """The weighted sum per call; each component scores the whole group at once."""
+        per_component = await asyncio.gather(*(p.many(calls) for _, _, p in self.components))
+        for (spec, _, _), values in zip(self.components, per_component):
+            self._sums[spec] += sum(values)
+            self._counts[spec] += len(values)
+        return [
+            sum(w * v for (_, w, _), v in zip(self.components, item))
+            for item in zip(*per_component)
+        ]
 
     @property
     def stats(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ from arealite.server.openai_api import OpenAIChatAPI
 from arealite.server.protocol import (
     BadRequest,
     decode_json_body,
-    parse_generate_request,
+    parse_generate_body,
     parse_weight_version,
 )
 from arealite.server.scheduler import Scheduler
@@ -123,29 +123,36 @@ class InferenceServer:
 
     # ---- generation -------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
-        body = decode_json_body(await request.read())
-        req = parse_generate_request(
-            body,
+        """One prompt, or SGLang's batch form (a list of prompts, answered with a list): a
+        batch is admitted together, so a group of samples of one prompt is prefilled once."""
+        reqs, batched = parse_generate_body(
+            decode_json_body(await request.read()),
             vocab_size=self.runner.vocab_size,
             max_positions=self.runner.max_positions,
             accepts_images=self.runner.accepts_images,
         )
+        seqs = [await self._new_sequence(req) for req in reqs]
+        work = [s for s in seqs if s.req.params.max_new_tokens > 0]
+        for seq in seqs:
+            if seq.req.params.max_new_tokens == 0:
+                seq.finish_reason = {"type": "length", "length": 0}
+                seq.weight_version = self.scheduler.weight_version
+        futures = self.scheduler.submit_many(work)
+        try:
+            done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:  # client went away: free its batch slots
+            for seq in work:
+                self.scheduler.abort_sequence(seq)
+            raise
+        finished = dict(zip(map(id, work), done))
+        answers = [self._generate_response(finished.get(id(s), s)) for s in seqs]
+        return web.json_response(answers if batched else answers[0])
+
+    async def _new_sequence(self, req) -> Sequence:
         if req.image_data:  # image decoding / preprocessing is CPU work: keep it off the loop
             loop = asyncio.get_running_loop()
-            seq = await loop.run_in_executor(None, self.runner.new_sequence, req)
-        else:
-            seq = self.runner.new_sequence(req)
-        if req.params.max_new_tokens == 0:
-            seq.finish_reason = {"type": "length", "length": 0}
-            seq.weight_version = self.scheduler.weight_version
-        else:
-            fut = self.scheduler.submit(seq)
-            try:
-                seq = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:  # client went away: free its batch slot
-                self.scheduler.abort_sequence(seq)
-                raise
-        return web.json_response(self._generate_response(seq))
+            return await loop.run_in_executor(None, self.runner.new_sequence, req)
+        return self.runner.new_sequence(req)
 
     def _generate_response(self, seq: Sequence) -> dict:
         req = seq.req

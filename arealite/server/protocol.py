@@ -164,9 +164,7 @@ def _token_ids(v: Any, name: str, vocab_size: int, *, allow_empty: bool) -> list
     for i, t in enumerate(v):
         if not _is_int(t):
             if isinstance(t, list):
-                raise BadRequest(
-                    f"{name}: batched input is not supported; send one request per prompt"
-                )
+                raise BadRequest(f"{name}[{i}]: a batch must be a list of prompts, each a list")
             raise BadRequest(f"{name}[{i}]: expected an integer token id, got {json.dumps(t)[:40]}")
         if not 0 <= t < vocab_size:
             raise BadRequest(
@@ -308,6 +306,59 @@ def parse_generate_request(
         return_logprob=_bool(body, "return_logprob", False),
         image_data=parse_image_data(body.get("image_data"), accepts_images),
     )
+
+
+def _batch_field(body: dict, key: str, n: int, per_item_type: type) -> list[Any]:
+    """SGLang's batch form: `key` is one value for every prompt, or a list of one per prompt."""
+    v = body.get(key)
+    if isinstance(v, list) and (not v or isinstance(v[0], per_item_type) or v[0] is None):
+        if len(v) != n:
+            raise BadRequest(f"{key}: {len(v)} values for a batch of {n} prompts")
+        return v
+    return [v] * n
+
+
+def parse_generate_body(
+    body: Any, *, vocab_size: int, max_positions: int, accepts_images: bool = False
+) -> tuple[list[GenerateRequest], bool]:
+    """POST /generate body -> (requests, batched). SGLang's batch form sends `input_ids` as a
+    list of prompts, with `rid` / `sampling_params` / `return_logprob` / `image_data` either
+    shared or one per prompt; it is answered with a list. Errors name the prompt's index."""
+    body = require_object(body)
+    ids = body.get("input_ids")
+    if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        one = parse_generate_request(
+            body, vocab_size=vocab_size, max_positions=max_positions, accepts_images=accepts_images
+        )
+        return [one], False
+    n = len(ids)
+    columns = {
+        "rid": _batch_field(body, "rid", n, str),
+        "sampling_params": _batch_field(body, "sampling_params", n, dict),
+        "return_logprob": _batch_field(body, "return_logprob", n, bool),
+        "image_data": _batch_field(body, "image_data", n, list),
+    }
+    if body.get("rid") is not None and not isinstance(body["rid"], list):
+        raise BadRequest("rid: a batch needs a list of request ids, one per prompt")
+    reqs = []
+    for i in range(n):
+        item = {**body, "input_ids": ids[i], **{k: col[i] for k, col in columns.items()}}
+        try:
+            reqs.append(
+                parse_generate_request(
+                    item,
+                    vocab_size=vocab_size,
+                    max_positions=max_positions,
+                    accepts_images=accepts_images,
+                )  # fmt: skip
+            )
+        except BadRequest as e:
+            raise BadRequest(f"batch item {i}: {e}") from None
+    rids = [r.rid for r in reqs]
+    if len(set(rids)) != n:
+        dup = next(r for r in rids if rids.count(r) > 1)
+        raise BadRequest(f"rid: {dup!r} appears more than once in the batch")
+    return reqs, True
 
 
 def parse_weight_version(value: Any, current: int) -> int:

@@ -96,12 +96,18 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> Future:
         """Queue a sequence; the future resolves to the finished Sequence."""
-        fut: Future = Future()
+        return self.submit_many([seq])[0]
+
+    def submit_many(self, seqs: list[Sequence]) -> list[Future]:
+        """Queue sequences at once, so they are admitted in the same step (rows sharing a
+        prompt are then prefilled once); one future per sequence."""
+        futures: list[Future] = [Future() for _ in seqs]
         with self._cond:
-            self._futures[id(seq)] = fut
-            self._waiting.append(seq)
+            for seq, fut in zip(seqs, futures):
+                self._futures[id(seq)] = fut
+                self._waiting.append(seq)
             self._cond.notify()
-        return fut
+        return futures
 
     def abort(self, rid: str | None) -> None:
         """Abort one request id (waiting or running), or everything when rid is None."""

@@ -6,7 +6,6 @@ trajectory is built from exactly those ids, so the trainer sees what the sampler
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -133,30 +132,28 @@ class RLVRWorkflow(RolloutWorkflow):
             g if g.seed is None else g.new(seed=sample_seed(g.seed, data, prompt_ids, i, version))
             for i in range(self.gconfig.n_samples)
         ]
-        resps: list[ModelResponse] = await asyncio.gather(
-            *(
-                engine.agenerate(
-                    ModelRequest(rid=uuid.uuid4().hex, input_ids=prompt_ids, gconfig=gi)
-                )
-                for gi in gs
-            )
+        resps: list[ModelResponse] = await engine.agenerate_group(
+            [ModelRequest(rid=uuid.uuid4().hex, input_ids=prompt_ids, gconfig=gi) for gi in gs]
         )
         prompt = self.tokenizer.decode(prompt_ids)
         completions = [
             self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in resps
         ]
         row = reward_row(data)
-        rewards = await asyncio.gather(
-            *(
-                self.reward_pool(
-                    prompt=prompt,
-                    completions=c,
-                    prompt_ids=prompt_ids,
-                    completion_ids=r.output_tokens,
-                    **row,
-                )
+        rewards = await self.reward_pool.many(
+            [
+                (
+                    (),
+                    dict(
+                        prompt=prompt,
+                        completions=c,
+                        prompt_ids=prompt_ids,
+                        completion_ids=r.output_tokens,
+                        **row,
+                    ),
+                )  # fmt: skip
                 for c, r in zip(completions, resps)
-            )
+            ]
         )
         rows = []
         for r, reward in zip(resps, rewards):

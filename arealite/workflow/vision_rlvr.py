@@ -59,6 +59,10 @@ class _WithImages:
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         return await self._engine.agenerate(dataclasses.replace(req, image_data=self._image_data))
 
+    async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
+        with_images = [dataclasses.replace(r, image_data=self._image_data) for r in reqs]
+        return await self._engine.agenerate_group(with_images)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
