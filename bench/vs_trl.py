@@ -15,6 +15,7 @@ TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install 
 
     python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
                            [--arealite-args "actor.dynamic_sampling=false ..."]
+                           [--runs-from earlier_output.jsonl]  # e.g. TRL's runs, kept
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def compare(runs: list[dict]) -> None:
                  arealite_s=round(mean["arealite"], 1),
                  ratio_trl_over_arealite=round(mean["trl"] / max(mean["arealite"], 1e-9), 2))  # fmt: skip
     if all(by.values()):
+        time_to_trl_final(by)
         sps = {s: statistics.mean(r["sec_per_step"] for r in rs) for s, rs in by.items()}
         final = {
             s: statistics.mean(r["accuracy_by_minute"][-1][1] for r in rs) for s, rs in by.items()
@@ -223,6 +225,36 @@ def compare(runs: list[dict]) -> None:
              arealite_final_accuracy=round(final["arealite"], 3))  # fmt: skip
 
 
+def load_runs(path: str | None) -> list[dict]:
+    """The `run` figures of an earlier invocation's output (re-emitted, marked `reused`)."""
+    if not path:
+        return []
+    runs = []
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line) if line.startswith("{") else {}
+            if rec.pop("figure", None) == "run":
+                emit("run", **rec, reused=path)
+                runs.append(rec)
+    return runs
+
+
+def time_to_trl_final(by: dict[str, list[dict]]) -> None:
+    """The goal's figure: when arealite first reaches TRL's final accuracy (mean over seeds of
+    TRL's last evaluation), against TRL's whole budget; ratio > 1: arealite got there sooner."""
+    target = statistics.mean(r["accuracy_by_minute"][-1][1] for r in by["trl"])
+    budget = statistics.mean(r["accuracy_by_minute"][-1][0] for r in by["trl"]) * 60
+    times = [
+        next((round(m * 60, 1) for m, a in r["accuracy_by_minute"] if a >= target), None)
+        for r in by["arealite"]
+    ]
+    reached = None not in times
+    emit("time_to_trl_final_accuracy", trl_final_accuracy=round(target, 3),
+         trl_budget_s=round(budget, 1), arealite_s_per_seed=times,
+         ratio_trl_budget_over_arealite=(
+             round(budget / max(statistics.mean(times), 1e-9), 2) if reached else None))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
@@ -230,6 +262,9 @@ def main() -> None:
     p.add_argument("--systems", default="trl,arealite")
     p.add_argument("--workdir", default=None)
     p.add_argument("--model-path", default=None, help="a warm start (default: build one)")
+    p.add_argument("--runs-from", default=None,
+                   help="JSON lines of an earlier invocation (same machine): its runs join the "
+                        "comparison, e.g. TRL's, while arealite's are re-run")  # fmt: skip
     p.add_argument("--arealite-args", default="",
                    help="extra overrides for arealite's arm, e.g. actor.dynamic_sampling=false")  # fmt: skip
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
@@ -242,7 +277,7 @@ def main() -> None:
     model = args.model_path or build_warm_start(workdir, [])
     extra = args.arealite_args.split()
     runners = {"trl": run_trl, "arealite": lambda *a: run_arealite(*a, extra=extra)}
-    runs = []
+    runs = load_runs(args.runs_from)
     for seed in (int(s) for s in args.seeds.split(",")):
         for system in args.systems.split(","):
             runs.append(runners[system](model, seed, args.minutes, workdir))

@@ -71,8 +71,9 @@ class Progress:
     def done(self) -> bool:
         return self.finished or len(self.tokens) >= self.req.gconfig.max_new_tokens
 
-    def add(self, c: GenerateClient, chunk: GenerateChunk, start: float) -> None:
-        """Append one answer; an abort leaves the request pending (resumed by the caller)."""
+    def add(self, c: GenerateClient, chunk: GenerateChunk, start: float) -> bool:
+        """Append one answer; an abort leaves the request pending (resumed by the caller).
+        True for an abort without a token while no weight update ran (the caller backs off)."""
         if chunk.output_tokens and self.ttft == float("inf"):
             self.ttft = time.perf_counter() - start
         v = chunk.version if chunk.version is not None else c.weights.version
@@ -85,13 +86,15 @@ class Progress:
             self.versions += [v if t is None else t for t in chunk.token_versions]
         if chunk.finish != "abort":
             self.stop_reason, self.finished = chunk.finish, True
-            return
+            return False
         c.counters["aborted_chunks"] += 1
         # Only aborts we did not cause (no weight update under way) count as suspicious.
         if chunk.output_tokens:
             self.idle_aborts = 0
         elif c.gen_allowed is not None and c.gen_allowed.is_set():
             self.idle_aborts += 1
+            return True
+        return False
 
     def response(self, start: float) -> ModelResponse:
         return ModelResponse(
@@ -122,10 +125,8 @@ async def generate_group_resumable(
         assert c.gen_allowed is not None
         await c.gen_allowed.wait()
         chunks, addr = await generate_chunks(c, pending)
-        for p, chunk in zip(pending, chunks):
-            p.add(c, chunk, start)
-        stuck = [p.idle_aborts for p in pending if not p.done]
-        if stuck and max(stuck):
+        stuck = [p.idle_aborts for p, chunk in zip(pending, chunks) if p.add(c, chunk, start)]
+        if stuck:
             await backoff_after_abort(c.config, pending[0].req.rid, addr, max(stuck))
     return [p.response(start) for p in progress]
 

@@ -142,6 +142,16 @@ class WorkflowExecutor:
                 f"wait({count}) can never complete: at most rollout.queue_size={self.queue_size} "
                 "results are buffered"
             )
+        out = self._await_results(count, timeout)
+        assert out is not None
+        return out
+
+    def _await_results(
+        self, count: int, timeout: float | None, refill_below: int | None = None
+    ) -> TensorDict | None:
+        """wait()'s body; with `refill_below`, returns None as soon as fewer episodes than
+        that are queued to start, so the caller tops the queue up without losing time (dynamic
+        sampling refuses groups quickly and each refusal starts a queued item)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -150,6 +160,8 @@ class WorkflowExecutor:
                 if len(self._book.results) >= count:
                     out, self.last_batch_data = self._book.take(count)
                     break
+                if refill_below is not None and self._input.qsize() < refill_below:
+                    return None
                 self._runner.raise_if_stopped()
                 remaining = POLL_S if deadline is None else deadline - time.monotonic()
                 if remaining <= 0:
@@ -220,10 +232,9 @@ class WorkflowExecutor:
             while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
                     self._submit(Episode(item, workflow, should_accept, cursor=cursor))
-            try:
-                return self.wait(batch_size, timeout=POLL_S)
-            except TimeoutError:
-                continue
+            batch = self._await_results(batch_size, timeout=None, refill_below=batch_size)
+            if batch is not None:
+                return batch
 
     # ------------------------------------------------------------------ control and state
 
