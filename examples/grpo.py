@@ -196,6 +196,8 @@ class ServerRollouts:
     def stats(self) -> dict:
         stats = self.group_filter.take_stats() if self.group_filter is not None else {}
         stats.update({f"rollout/{k}": v for k, v in self.workflow.reward_stats.items()})
+        # Accepted past the staleness bound while over-provisioning for refusals, so dropped.
+        stats["rollout/surplus_total"] = self.executor.stats()["surplus"]
         if hasattr(self.reward_pool, "component_stats"):  # a weighted sum: each reward's mean
             stats.update(self.reward_pool.component_stats())
         return stats

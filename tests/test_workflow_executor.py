@@ -222,6 +222,28 @@ def test_equal_reward_groups_are_replaced_within_the_cap(engine_factory, max_ove
     assert executor.stats()["accepted"] - executor.stats()["ready"] == 6
 
 
+def test_refused_groups_are_replaced_at_once_not_on_the_next_poll(engine_factory, monkeypatch):
+    """Each refusal starts a queued item, and prepare_batch tops the queue up as soon as it
+    runs low: with the poll interval made 2 minutes, a batch behind 12 refused items (6 top-
+    ups) still arrives promptly. Before, the queue was topped up once per poll."""
+    import arealite.rollout.executor as executor_module
+
+    monkeypatch.setattr(executor_module, "POLL_S", 120.0)
+    executor = engine_factory(consumer_batch_size=2, max_head_offpolicyness=0)
+    loader = DataLoader([{"id": i} for i in range(40)], batch_size=2, collate_fn=lambda x: x)
+    out = []
+    worker = threading.Thread(
+        target=lambda: out.append(
+            executor.prepare_batch(loader, OneGeneration(), lambda td: td["item"][0] >= 12)
+        ),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=60)
+    assert out, f"prepare_batch still waiting after 60 s: {executor.stats()}"
+    assert sorted(out[0]["item"].tolist()) == [12, 13] and executor.stats()["rejected"] == 12
+
+
 def test_pause_and_resume_new_episodes(engine_factory):
     executor = engine_factory(consumer_batch_size=4)
     executor.pause()

@@ -116,10 +116,11 @@ def _kill_all(gens: list[_Generation]) -> None:
 
 class RewardPool:
     """`await pool(*args, **kwargs)` runs `reward_fn(*args, **kwargs)` in a worker process and
-    returns a float (`await pool.many(calls)` a list, for a group); a timeout, an exception or a non-finite value (NaN, inf, not a number)
-    returns `default` (0.0) and is counted in `stats` (timeouts / errors) and logged once per
-    kind with a count; with `fail_fast`, a reward that plainly never works raises
-    RewardFailFastError instead (reward_errors.py), so the run stops."""
+    returns a float (`await pool.many(calls)`: a list, for a group); a timeout, an exception or
+    a non-finite value (NaN, inf, not a number) returns `default` (0.0) and is counted in
+    `stats` (timeouts / errors) and logged once per kind with a count; with `fail_fast`, a
+    reward that plainly never works raises RewardFailFastError instead (reward_errors.py), so
+    the run stops."""
 
     def __init__(
         self,

@@ -136,6 +136,7 @@ class EpisodeLoop:
                 ep = self.input.get_nowait()
             except queue.Empty:
                 return
+            ep.start_version = self.engine.get_version()
             task = asyncio.ensure_future(run_episode(ep, self.engine))
             self.book.on_started()
             self._tasks.add(task)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("arealite.rollout")
 
+ACCEPT_RATE_EMA = 0.05  # weight of each finished episode in the acceptance-rate average
+
 
 @dataclass
 class RolloutStat:
@@ -34,6 +36,7 @@ class RolloutStat:
     accepted: int = 0  # finished and accepted (consumed or not)
     rejected: int = 0  # finished as None or refused by should_accept
     failed: int = 0  # raised an exception
+    surplus: int = 0  # accepted past the staleness bound (over-provisioning), dropped
 
 
 class Group:
@@ -53,6 +56,7 @@ class Episode:
     group: Group | None = None
     index: int = 0
     cursor: Cursor | None = None  # where prepare_batch pulled it from
+    start_version: int = 0  # policy version when it started (its staleness counts from here)
 
 
 async def run_episode(ep: Episode, engine: InferenceEngine) -> TensorDict | None:
@@ -70,8 +74,14 @@ async def run_episode(ep: Episode, engine: InferenceEngine) -> TensorDict | None
 class EpisodeBook:
     """Counters, finished results (for wait) and errors, guarded by `cond`."""
 
-    def __init__(self, feed: DataloaderFeed):
+    def __init__(
+        self, feed: DataloaderFeed, within_bound: Callable[[int, int], bool] = lambda v, a: True
+    ):
         self.feed = feed
+        self.within_bound = within_bound  # (start version, accepted so far) -> may accept
+        # Share of finished episodes should_accept took (moving average): admission counts
+        # running episodes at this expected yield.
+        self.accept_rate = 1.0
         self.cond = threading.Condition()
         self.stat = RolloutStat()
         self.results: deque[tuple[TensorDict, Episode]] = deque()
@@ -109,8 +119,13 @@ class EpisodeBook:
                 self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
             elif result is None:
                 self.stat.rejected += 1
+                self._update_accept_rate(0.0)
+                self._finish_in_group(ep)
+            elif ep.group is None and not self.within_bound(ep.start_version, self.stat.accepted):
+                self.stat.surplus += 1
                 self._finish_in_group(ep)
             else:
+                self._update_accept_rate(1.0)
                 self.stat.accepted += 1
                 if ep.group is not None:
                     ep.group.results[ep.index] = result
@@ -118,6 +133,9 @@ class EpisodeBook:
                 else:
                     self.results.append((result, ep))
             self.cond.notify_all()
+
+    def _update_accept_rate(self, accepted: float) -> None:
+        self.accept_rate += ACCEPT_RATE_EMA * (accepted - self.accept_rate)
 
     def _finish_in_group(self, ep: Episode) -> None:
         """Under `cond`: a rejected or failed episode needs no replay; count it done."""

@@ -57,7 +57,9 @@ class WorkflowExecutor:
             self.max_concurrent, config.consumer_batch_size, config.max_head_offpolicyness
         )
         self.feed = DataloaderFeed()
-        self._book = EpisodeBook(self.feed)
+        self._book = EpisodeBook(
+            self.feed, lambda start, accepted: self.staleness.within_bound(start, accepted)
+        )
         self._cond = self._book.cond  # guards the counters, results, errors and _paused
         self._paused = False
         self._runner = EpisodeLoop(
@@ -107,7 +109,7 @@ class WorkflowExecutor:
         v = self.engine.get_version()
         with self._cond:
             s = self._book.stat
-            allowed = self.staleness.capacity(v, s.running, s.accepted)
+            allowed = self.staleness.capacity(v, s.running, s.accepted, self._book.accept_rate)
             # Never start an episode whose result could not be buffered (bounded output).
             by_buffer = self.queue_size - len(self._book.results) - s.running
         return min(allowed, by_buffer)

@@ -5,7 +5,12 @@ A pure function of counters, so it is tested alone; the executor calls it on eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# At most 1 / MIN_ACCEPT_RATE times the batch still needed runs at once (dynamic sampling's
+# default cap, 3x over-sampling, keeps the measured rate above this anyway).
+MIN_ACCEPT_RATE = 0.25
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,12 @@ class StalenessController:
     no more than (eta + v + 1) batches' worth of episodes have ever been started: a trajectory
     is at most eta versions stale. eta = 0 is synchronous RL. Rejected and failed episodes are
     not counted, so they free their slot. C/W and B/W are at least 1.
+
+    When a `should_accept` refuses many episodes (dynamic sampling late in a run refuses most
+    groups), starting only as many as the batch still needs makes a chain of small waves, each
+    waiting for the last one's refusals. With the measured acceptance rate p < 1, running
+    episodes count at their expected yield p, so enough start at once; an accepted result past
+    the bound is then refused as surplus (`within_bound`), which keeps the bound exact.
     """
 
     max_concurrent_rollouts: int
@@ -43,11 +54,23 @@ class StalenessController:
                 f"max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}"
             )
 
-    def capacity(self, version: int, running: int, accepted: int) -> int:
+    @property
+    def per_rank_batch(self) -> int:
+        return max(1, self.consumer_batch_size // self.world_size)
+
+    def capacity(self, version: int, running: int, accepted: int, accept_rate: float = 1.0) -> int:
         """How many more episodes may start at policy `version` (may be <= 0)."""
         per_rank_concurrency = max(1, self.max_concurrent_rollouts // self.world_size)
-        per_rank_batch = max(1, self.consumer_batch_size // self.world_size)
         by_concurrency = per_rank_concurrency - running
-        budget = (self.max_head_offpolicyness + version + 1) * per_rank_batch
-        by_staleness = budget - (accepted + running)
+        budget = (self.max_head_offpolicyness + version + 1) * self.per_rank_batch
+        p = min(1.0, max(MIN_ACCEPT_RATE, accept_rate))
+        by_staleness = math.floor((budget - accepted) / p + 1e-9) - running
         return min(by_concurrency, by_staleness)
+
+    def within_bound(self, start_version: int, accepted: int) -> bool:
+        """Whether one more accepted episode, started at `start_version`, keeps the bound: as
+        the (accepted + 1)-th it is trained in batch ceil((accepted + 1) / B) - 1, at most eta
+        versions after it started. Always true when accept_rate is 1."""
+        return (
+            accepted + 1 <= (self.max_head_offpolicyness + start_version + 1) * self.per_rank_batch
+        )

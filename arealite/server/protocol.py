@@ -308,10 +308,12 @@ def parse_generate_request(
     )
 
 
-def _batch_field(body: dict, key: str, n: int, per_item_type: type) -> list[Any]:
+def _batch_field(body: dict, key: str, n: int, per_item_type: type | tuple) -> list[Any]:
     """SGLang's batch form: `key` is one value for every prompt, or a list of one per prompt."""
     v = body.get(key)
-    if isinstance(v, list) and (not v or isinstance(v[0], per_item_type) or v[0] is None):
+    if v == []:  # as if absent
+        return [None] * n
+    if isinstance(v, list) and (isinstance(v[0], per_item_type) or v[0] is None):
         if len(v) != n:
             raise BadRequest(f"{key}: {len(v)} values for a batch of {n} prompts")
         return v
@@ -336,7 +338,7 @@ def parse_generate_body(
         "rid": _batch_field(body, "rid", n, str),
         "sampling_params": _batch_field(body, "sampling_params", n, dict),
         "return_logprob": _batch_field(body, "return_logprob", n, bool),
-        "image_data": _batch_field(body, "image_data", n, list),
+        "image_data": _batch_field(body, "image_data", n, (list, str)),  # as SGLang: per prompt
     }
     if body.get("rid") is not None and not isinstance(body["rid"], list):
         raise BadRequest("rid: a batch needs a list of request ids, one per prompt")
