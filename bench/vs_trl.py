@@ -234,7 +234,7 @@ def load_runs(path: str | None) -> list[dict]:
         for line in f:
             rec = json.loads(line) if line.startswith("{") else {}
             if rec.pop("figure", None) == "run":
-                emit("run", **rec, reused=path)
+                emit("run", **{**rec, "reused": path})
                 runs.append(rec)
     return runs
 
