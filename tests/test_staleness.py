@@ -31,6 +31,25 @@ def test_eta_lets_rollouts_run_eta_versions_ahead():
     assert s.capacity(version=3, running=4, accepted=8) == 12  # (2 + 3 + 1) * 4 - 12
 
 
+def test_refusals_over_provision_and_surplus_past_the_bound_is_refused():
+    """With a measured acceptance rate p, running episodes count at their expected yield; the
+    bound itself is kept by within_bound at acceptance: the (k)-th accepted episode, started at
+    version v, must be trained at most eta versions later (k <= (eta + v + 1) * B)."""
+    s = StalenessController(
+        max_concurrent_rollouts=100, consumer_batch_size=8, max_head_offpolicyness=0
+    )
+    assert s.capacity(version=0, running=0, accepted=0, accept_rate=0.5) == 16
+    assert s.capacity(version=0, running=10, accepted=3, accept_rate=0.5) == 0  # 10 + 2 x 5
+    assert s.capacity(version=0, running=0, accepted=0, accept_rate=0.01) == 32  # rate floor 1/4
+    assert s.capacity(version=0, running=0, accepted=0, accept_rate=1.0) == 8  # as before
+    assert [s.within_bound(0, a) for a in (0, 7, 8)] == [True, True, False]
+    assert s.within_bound(1, 8) and not s.within_bound(1, 16)
+    eta2 = StalenessController(
+        max_concurrent_rollouts=100, consumer_batch_size=8, max_head_offpolicyness=2
+    )
+    assert eta2.within_bound(0, 23) and not eta2.within_bound(0, 24)
+
+
 def test_concurrency_caps_and_world_size_splits_the_budget():
     s = StalenessController(
         max_concurrent_rollouts=6, consumer_batch_size=100, max_head_offpolicyness=0
