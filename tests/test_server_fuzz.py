@@ -100,8 +100,8 @@ def bad_generate(rng: random.Random) -> bytes | str | dict | list:
         return body
     if kind == 4:  # input_ids of the wrong kind
         ids = rng.choice([
-            "5 6 7", {"a": 1}, 5, [], [5, "6"], [5.5], [[5, 6]], [-1], [10**9], [2**70],
-            [True, False], [None],
+            "5 6 7", {"a": 1}, 5, [], [5, "6"], [5.5], [-1], [10**9], [2**70],
+            [True, False], [None], [[5, "6"]], [[5], []], [[5], 6], [5, [6]],  # bad batches
         ])  # fmt: skip
         return {**valid, "input_ids": ids}
     if kind == 5:  # one sampling parameter wrong
