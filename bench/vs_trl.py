@@ -4,7 +4,10 @@ Both start from the same SFT warm start (the tiny offline model fine-tuned by ar
 train on the same prompts (sums of three one-digit numbers, 16 prompts x 8 samples, 8 new
 tokens, temperature 1), with the same reward (arealite's exact-match `arith` reward), lr 1e-4,
 clip 0.2, no KL, dtype auto (fp32 on a CPU without native bf16), on this machine, one after the
-other, each for `--minutes` of wall clock. Greedy held-out accuracy (200 unseen problems) is
+other, each for `--minutes` of wall clock or `--steps` optimizer steps, whichever ends first. Both
+decay the lr linearly to 0 over `--steps` (TRL's default schedule; the default, 1300, is about
+what TRL does in 10 minutes on a 2-core CPU, so its schedule ends near its budget); `--steps 0`:
+constant lr, no step limit (the earlier protocol: late in a run the accuracy of both swings). Greedy held-out accuracy (200 unseen problems) is
 taken every 60 s in both: TRL through a callback that runs `model.generate`, arealite through
 its evaluator (`evaluator.freq_secs=60`, greedy through the server).
 
@@ -15,7 +18,7 @@ TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install 
 
     python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
                            [--arealite-args "actor.dynamic_sampling=false ..."]
-                           [--runs-from earlier_output.jsonl]  # e.g. TRL's runs, kept
+                           [--steps 1300] [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
 """
 
 from __future__ import annotations
@@ -49,15 +52,23 @@ def cpu_seconds_of_children() -> float:
 # ----------------------------------------------------------------------------- arealite
 
 
-def run_arealite(model: str, seed: int, minutes: float, workdir: str, extra=()) -> dict:
+def lr_schedule(steps: int) -> tuple[int, str]:
+    """(step limit, schedule) shared by both arms: linear to 0 over `steps`, or constant."""
+    return (steps, "linear") if steps > 0 else (10**6, "constant")
+
+
+def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int,
+                 extra=()) -> dict:  # fmt: skip
     """The launcher on arith_grpo.yaml (plus `extra` overrides), stopped (SIGTERM) once an
-    evaluation past the budget is logged; the evaluations are read from its metrics.jsonl."""
+    evaluation past the budget is logged (or done after its steps, evaluating the last one);
+    the evaluations are read from its metrics.jsonl."""
     run = f"seed{seed}"
+    max_steps, schedule = lr_schedule(steps)
     args = [
         f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
-        f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
+        f"actor.path={model}", f"seed={seed}", f"total_train_steps={max_steps}",
         "evaluator.freq_steps=null", "evaluator.freq_secs=60",
-        f"actor.optimizer.lr={LR}", "actor.optimizer.lr_scheduler_type=constant",  # as TRL's arm
+        f"actor.optimizer.lr={LR}", f"actor.optimizer.lr_scheduler_type={schedule}",
         *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
@@ -101,11 +112,11 @@ def read_jsonl(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- TRL
 
 
-def run_trl(model: str, seed: int, minutes: float, workdir: str) -> dict:
+def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int) -> dict:
     """TRL in a child process (its own threads and memory); it writes its evaluations."""
     out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
     cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
-           "--minutes", str(minutes), "--workdir", out]  # fmt: skip
+           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out]  # fmt: skip
     cpu0 = cpu_seconds_of_children()
     with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -117,7 +128,7 @@ def run_trl(model: str, seed: int, minutes: float, workdir: str) -> dict:
                      cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
 
 
-def trl_child(model: str, seed: int, minutes: float, out: str) -> None:
+def trl_child(model: str, seed: int, minutes: float, steps: int, out: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -150,18 +161,23 @@ def trl_child(model: str, seed: int, minutes: float, out: str) -> None:
     class EveryMinute(TrainerCallback):
         def __init__(self):
             self.t0 = self.last = time.monotonic()
-            self.next_eval = 60.0
+            self.next_eval, self.evaluated = 60.0, True
             write({"t": 0.0, "accuracy": accuracy()})
 
         def on_step_end(self, args, state, control, **kw):
             now = time.monotonic()
             write({"step_time": now - self.last})
-            if now - self.t0 >= self.next_eval:
+            self.evaluated = now - self.t0 >= self.next_eval
+            if self.evaluated:
                 write({"t": now - self.t0, "accuracy": accuracy()})
                 self.next_eval += 60.0
             if now - self.t0 >= minutes * 60:
                 control.should_training_stop = True
             self.last = time.monotonic()
+
+        def on_train_end(self, args, state, control, **kw):
+            if not self.evaluated:  # done after its steps: the last step's weights
+                write({"t": time.monotonic() - self.t0, "accuracy": accuracy()})
 
         def on_log(self, args, state, control, logs=None, **kw):
             frac = (logs or {}).get("frac_reward_zero_std")
@@ -172,11 +188,12 @@ def trl_child(model: str, seed: int, minutes: float, out: str) -> None:
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
+    max_steps, schedule = lr_schedule(steps)
     args = GRPOConfig(
         output_dir=os.path.dirname(out), per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
         num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=LR,
-        lr_scheduler_type="constant", beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
-        max_steps=10**6, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        lr_scheduler_type=schedule, beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
+        max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
     )  # fmt: skip
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=train,
@@ -259,6 +276,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=1300,
+                   help="both arms: lr linear to 0 over this many steps, and at most these; "
+                        "0 = constant lr, no step limit")  # fmt: skip
     p.add_argument("--systems", default="trl,arealite")
     p.add_argument("--workdir", default=None)
     p.add_argument("--model-path", default=None, help="a warm start (default: build one)")
@@ -270,17 +290,19 @@ def main() -> None:
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
-        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.workdir)
+        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
     model = args.model_path or build_warm_start(workdir, [])
     extra = args.arealite_args.split()
     runners = {"trl": run_trl, "arealite": lambda *a: run_arealite(*a, extra=extra)}
+    emit("protocol", minutes=args.minutes, steps=args.steps, lr=LR,
+         schedule=lr_schedule(args.steps)[1])  # fmt: skip
     runs = load_runs(args.runs_from)
     for seed in (int(s) for s in args.seeds.split(",")):
         for system in args.systems.split(","):
-            runs.append(runners[system](model, seed, args.minutes, workdir))
+            runs.append(runners[system](model, seed, args.minutes, workdir, args.steps))
     compare(runs)
 
 
