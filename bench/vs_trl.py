@@ -67,6 +67,7 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int
     args = [
         f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
         f"actor.path={model}", f"seed={seed}", f"total_train_steps={max_steps}",
+        "total_train_epochs=1000",  # the step limit binds, not the dataset's 1,250 batches
         "evaluator.freq_steps=null", "evaluator.freq_secs=60",
         f"actor.optimizer.lr={LR}", f"actor.optimizer.lr_scheduler_type={schedule}",
         *extra,

@@ -132,20 +132,21 @@ class InferenceServer:
             accepts_images=self.runner.accepts_images,
         )
         seqs = [await self._new_sequence(req) for req in reqs]
-        work = [s for s in seqs if s.req.params.max_new_tokens > 0]
+        work = []
         for seq in seqs:
-            if seq.req.params.max_new_tokens == 0:
+            if seq.req.params.max_new_tokens > 0:
+                work.append(seq)
+            else:  # nothing to generate: answered as finished by length, at the current weights
                 seq.finish_reason = {"type": "length", "length": 0}
                 seq.weight_version = self.scheduler.weight_version
         futures = self.scheduler.submit_many(work)
-        try:
-            done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        try:  # each future resolves to its own sequence, filled in
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except asyncio.CancelledError:  # client went away: free its batch slots
             for seq in work:
                 self.scheduler.abort_sequence(seq)
             raise
-        finished = dict(zip(map(id, work), done))
-        answers = [self._generate_response(finished.get(id(s), s)) for s in seqs]
+        answers = [self._generate_response(s) for s in seqs]
         return web.json_response(answers if batched else answers[0])
 
     async def _new_sequence(self, req) -> Sequence:
