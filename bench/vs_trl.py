@@ -7,9 +7,10 @@ clip 0.2, no KL, dtype auto (fp32 on a CPU without native bf16), on this machine
 other, each for `--minutes` of wall clock or `--steps` optimizer steps, whichever ends first. Both
 decay the lr linearly to 0 over `--steps` (TRL's default schedule; the default, 1300, is about
 what TRL does in 10 minutes on a 2-core CPU, so its schedule ends near its budget); `--steps 0`:
-constant lr, no step limit (the earlier protocol: late in a run the accuracy of both swings). Greedy held-out accuracy (200 unseen problems) is
-taken every 60 s in both: TRL through a callback that runs `model.generate`, arealite through
-its evaluator (`evaluator.freq_secs=60`, greedy through the server).
+constant lr, no step limit (the earlier protocol: late in a run the accuracy of both swings).
+Greedy held-out accuracy (the 166 unseen problems) is taken every 60 s in both: TRL through a
+callback that runs `model.generate`, arealite through its evaluator (`evaluator.freq_secs=60`,
+greedy through the server).
 
 Figures (JSON lines): per system and seed the accuracy at each minute, seconds per step, and
 CPU-seconds per informative sample (samples in groups whose rewards differ: the ones with a
