@@ -18,6 +18,7 @@ gradient); then, over seeds, the mean time to reach each accuracy level and the 
 TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install -e .[bench]`).
 
     python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
+                           [--gpu]  # both on GPU 0 (bf16 where it is native)
                            [--arealite-args "actor.dynamic_sampling=false ..."]
                            [--steps 1300] [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
 """
@@ -114,11 +115,12 @@ def read_jsonl(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- TRL
 
 
-def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int) -> dict:
+def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu=False) -> dict:
     """TRL in a child process (its own threads and memory); it writes its evaluations."""
     out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
     cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
-           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out]  # fmt: skip
+           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out,
+           *(["--gpu"] if gpu else [])]  # fmt: skip
     cpu0 = cpu_seconds_of_children()
     with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -130,7 +132,7 @@ def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int) -> 
                      cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
 
 
-def trl_child(model: str, seed: int, minutes: float, steps: int, out: str) -> None:
+def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -140,8 +142,9 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str) -> No
     tok = AutoTokenizer.from_pretrained(model)
     train = get_arith_dataset("train", size=20000, **TASK).map(lambda r: {"prompt": r["messages"]})
     test = list(get_arith_dataset("test", size=200, **TASK))
-    dtype = getattr(torch, resolve_dtype("auto", "cpu"))
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    device = "cuda" if gpu else "cpu"
+    dtype = getattr(torch, resolve_dtype("auto", device))
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
     log = open(out, "w")
 
     def reward(prompts, completions, answer, **_):
@@ -151,7 +154,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str) -> No
         tok.padding_side = "left"
         texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                  for r in test]  # fmt: skip
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         policy.eval()
         with torch.no_grad():
             gen = policy.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -195,7 +198,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str) -> No
         output_dir=os.path.dirname(out), per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
         num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=LR,
         lr_scheduler_type=schedule, beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
-        max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu,
         bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
     )  # fmt: skip
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=train,
@@ -267,11 +270,17 @@ def time_to_trl_final(by: dict[str, list[dict]]) -> None:
         next((round(m * 60, 1) for m, a in r["accuracy_by_minute"] if a >= target), None)
         for r in by["arealite"]
     ]
-    reached = None not in times
+    reached = None not in times and statistics.mean(times) > 0  # 0: the warm start was there
     emit("time_to_trl_final_accuracy", trl_final_accuracy=round(target, 3),
          trl_budget_s=round(budget, 1), arealite_s_per_seed=times,
          ratio_trl_budget_over_arealite=(
-             round(budget / max(statistics.mean(times), 1e-9), 2) if reached else None))  # fmt: skip
+             round(budget / statistics.mean(times), 2) if reached else None))  # fmt: skip
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def main() -> None:
@@ -289,16 +298,23 @@ def main() -> None:
                         "comparison, e.g. TRL's, while arealite's are re-run")  # fmt: skip
     p.add_argument("--arealite-args", default="",
                    help="extra overrides for arealite's arm, e.g. actor.dynamic_sampling=false")  # fmt: skip
+    p.add_argument("--gpu", action="store_true",
+                   help="both on the first GPU (arealite: server and trainer share it)")  # fmt: skip
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
-        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir)
+        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir,
+                         args.gpu)  # fmt: skip
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
     model = args.model_path or build_warm_start(workdir, [])
     extra = args.arealite_args.split()
-    runners = {"trl": run_trl, "arealite": lambda *a: run_arealite(*a, extra=extra)}
+    if args.gpu:
+        emit("gpu", name=gpu_name())
+        extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", *extra]
+    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu),
+               "arealite": lambda *a: run_arealite(*a, extra=extra)}  # fmt: skip
     emit("protocol", minutes=args.minutes, steps=args.steps, lr=LR,
          schedule=lr_schedule(args.steps)[1])  # fmt: skip
     runs = load_runs(args.runs_from)

@@ -13,7 +13,8 @@ import pytest
 from arealite.api.cli_args import ConfigError, GRPOConfig
 from arealite.api.config_loader import load_expr_config
 from arealite.launcher.local import trainer_env
-from arealite.launcher.placement import plan_gpus, plan_local, visible_devices
+from arealite.launcher.placement import GpuPlan, plan_gpus, plan_local, visible_devices
+from arealite.launcher.preflight import check_resources, plan_cluster
 from arealite.launcher.servers import plan_servers
 
 
@@ -94,6 +95,27 @@ def test_the_counter_never_hands_a_device_out_twice():
                 plan = plan_gpus(n_servers, tp, ranks, [str(i) for i in range(need)])
                 devices = all_devices(plan)
                 assert len(devices) == len(set(devices)) == need
+
+
+def test_shared_gpus_put_server_and_trainer_on_the_same_devices(tmp_path):
+    """cluster.share_gpus: a one-GPU machine runs the embedded server and the trainer on GPU 0;
+    without it the same run is refused; NCCL weight updates and Ray/Slurm are refused with it."""
+    cfg = config(tmp_path, "local.d1p1t1+d1p1t1", 1)
+    with pytest.raises(ConfigError, match="share_gpus=true"):
+        plan_local(cfg, 1, None)
+    cfg.cluster.share_gpus = True
+    plan = plan_local(cfg, 1, None)
+    assert plan.servers == (("0",),) and plan.trainer == ("0",)
+    check_resources(cfg)
+    two = config(tmp_path, "sglang.d1p1t2+d2p1t1", 2)
+    two.cluster.share_gpus = True
+    assert plan_local(two, 2, None) == GpuPlan(servers=(("0", "1"),), trainer=("0", "1"))
+    cfg.weight_update = "distributed"
+    with pytest.raises(ConfigError, match="needs weight_update=disk"):
+        check_resources(cfg)
+    cfg.weight_update = "disk"
+    with pytest.raises(ConfigError, match="local launcher only"):
+        plan_cluster(cfg)
 
 
 def fake_nvidia_smi(tmp_path, n: int) -> dict[str, str]:

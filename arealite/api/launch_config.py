@@ -52,6 +52,14 @@ class ClusterConfig(ConfigBase):
     n_nodes: int = 1
     n_gpus_per_node: int = field(default=0, metadata=_help("0 = CPU only."))
     n_cpus_per_node: Optional[int] = None
+    share_gpus: bool = field(
+        default=False,
+        metadata=_help(
+            "Servers and trainer ranks use the same GPUs (a one-GPU machine: both must fit in its "
+            "memory). Local launcher only; needs weight_update=disk (NCCL refuses two members of "
+            "one group on one device)."
+        ),
+    )
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
 
     def __post_init__(self):

@@ -61,16 +61,29 @@ class GpuPlan:
         return "GPU placement:\n  " + "\n  ".join(lines)
 
 
-def plan_gpus(n_servers: int, tp: int, n_ranks: int, devices: list[str]) -> GpuPlan:
-    """Servers first (`tp` devices each: a server's whole model-parallel group), then one device per trainer rank, from one counter;
-    ConfigError naming the shortfall when `devices` are too few."""
+def plan_gpus(
+    n_servers: int, tp: int, n_ranks: int, devices: list[str], share: bool = False
+) -> GpuPlan:
+    """Servers first (`tp` devices each: a server's whole model-parallel group), then one device
+    per trainer rank, from one counter; ConfigError naming the shortfall when `devices` are too
+    few. `share` (cluster.share_gpus): the trainer ranks start again from the first device."""
+    if share:
+        need = max(n_servers * tp, n_ranks)
+        if need > len(devices):
+            raise ConfigError(
+                f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) sharing with {n_ranks} "
+                f"trainer rank(s) need {need} GPUs, but {len(devices)} are available"
+            )
+        servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
+        return GpuPlan(servers, tuple(devices[:n_ranks]))
     need = n_servers * tp + n_ranks
     if need > len(devices):
         raise ConfigError(
             f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) + {n_ranks} trainer rank(s) "
             f"need {need} distinct GPUs, but {len(devices)} are available ({','.join(devices) or 'none'}); "
             "servers and trainer ranks never share a GPU (a shared GPU runs out of memory and "
-            "NCCL refuses two ranks on one device): shrink allocation_mode or add GPUs"
+            "NCCL refuses two ranks on one device): shrink allocation_mode, add GPUs, or set "
+            "cluster.share_gpus=true (with weight_update=disk)"
         )
     servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
     start = n_servers * tp
@@ -95,4 +108,5 @@ def plan_local(config, n_physical: int, cuda_visible: str | None) -> GpuPlan | N
     alloc = config.allocation
     n_servers = alloc.gen_n_servers
     per_server = alloc.gen_world_size // n_servers if n_servers else 1
-    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node])
+    share = config.cluster.share_gpus
+    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node], share)

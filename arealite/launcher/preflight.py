@@ -230,8 +230,16 @@ def check_resources(config, n_gpus_available: int | None = None) -> None:
     """The allocation fits the cluster described in `cluster.*`."""
     alloc = config.allocation
     n_gpus = config.cluster.n_gpus_per_node * config.cluster.n_nodes
+    share = config.cluster.share_gpus
+    if share and getattr(config, "weight_update", "disk") == "distributed":
+        raise ConfigError(
+            "cluster.share_gpus=true needs weight_update=disk: the NCCL weight-update group "
+            "would put the trainer's rank 0 and a server on one device, which NCCL refuses"
+        )
     if n_gpus:
         need = alloc.gen_world_size + alloc.train_world_size
+        if share:
+            need = max(alloc.gen_world_size, alloc.train_world_size)
         if need > n_gpus:
             raise ConfigError(
                 f"allocation_mode={config.allocation_mode!r} needs {need} GPUs "
@@ -333,6 +341,8 @@ def plan_cluster(config) -> ClusterPlan:
         cpus_train = max(1, (cl.n_cpus_per_node or 0) - n_servers) if cl.n_cpus_per_node else 1
         gen_nodes = 1 if n_servers else 0
         return ClusterPlan(False, gen_nodes, n_servers, 1, W, 1, cpus_train, 1)
+    if cl.share_gpus:
+        raise ConfigError(f"{where}: cluster.share_gpus is for the local launcher only")
     check_resources(config)
     if tp > gpn:
         raise ConfigError(

@@ -9,7 +9,7 @@ which swaps in Qwen's own normalizer and pre-tokenizer whatever `tokenizer.json`
 with exactly that pipeline (NFC, Qwen's split regex, ByteLevel without its own regex): the ids are
 then the same whichever tokenizer class (or transformers version, e.g. inside vLLM) loads it.
 
-Usage: ``python -m arealite.testing.tiny_model OUT_DIR [--hidden-size 256 --layers 4]``
+Usage: ``python -m arealite.testing.tiny_model OUT_DIR [--hidden-size 256 --layers 4 | --qwen2.5-0.5b-shapes]``
 """
 
 from __future__ import annotations
@@ -118,11 +118,14 @@ class TextModelSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 512
     vocab_size: int = 1024
+    # Embedding rows: 0 = the tokenizer's size; more pads them, as Qwen2.5 has 151,936 rows for
+    # 151,665 tokens (the logits of a real vocabulary are a large share of a step's cost).
+    model_vocab_size: int = 0
 
     def qwen2_fields(self, tok) -> dict:
         """The Qwen2(-VL) text-config fields these sizes and tokenizer `tok` fix."""
         return dict(
-            vocab_size=len(tok),
+            vocab_size=max(len(tok), self.model_vocab_size),
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers,
@@ -135,8 +138,18 @@ class TextModelSpec:
         )
 
 
+# Qwen2.5-0.5B's shapes (494M parameters, tied embeddings) with the tiny tokenizer, randomly
+# initialised: GPU throughput figures at a real model's size with no hub download.
+QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                  intermediate_size=4864, model_vocab_size=151936)  # fmt: skip
+
+
 def build_tiny_model(
-    out_dir: str, seed: int = 1, max_position_embeddings: int = 2048, **sizes: int
+    out_dir: str,
+    seed: int = 1,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    **sizes: int,
 ) -> str:
     """Write tokenizer + random Qwen2 causal LM (about 3M parameters by default) into `out_dir`.
 
@@ -149,7 +162,7 @@ def build_tiny_model(
     config = Qwen2Config(
         **spec.qwen2_fields(tok),
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         initializer_range=0.02,
     )
     return save_random_model(AutoModelForCausalLM, config, config, seed, out_dir)
@@ -176,16 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--qwen2.5-0.5b-shapes", dest="qwen05b", action="store_true",
+                   help="Qwen2.5-0.5B's sizes (494M parameters) instead of the flags above")  # fmt: skip
     a = p.parse_args(argv)
-    build_tiny_model(
-        a.out_dir,
-        hidden_size=a.hidden_size,
-        num_layers=a.layers,
-        num_heads=a.heads,
-        num_kv_heads=a.kv_heads,
-        intermediate_size=a.intermediate_size,
-        seed=a.seed,
-    )
+    sizes = dict(hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
+                 num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size)  # fmt: skip
+    if a.qwen05b:
+        sizes = dict(QWEN25_05B, tie_word_embeddings=True)
+    build_tiny_model(a.out_dir, seed=a.seed, **sizes)
     print(f"tiny model written to {a.out_dir}")
 
 

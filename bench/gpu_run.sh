@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU figures on a one-GPU machine with no hub access: the GPU tests, then the demo's two
+# steps (SFT warm start, GRPO with the embedded server sharing the GPU with the trainer) on a
+# randomly initialised model of Qwen2.5-0.5B's shapes (bf16 where native, torch's SDPA kernels),
+# then bench/vs_trl.py --gpu from that warm start. Each stage has a time limit and its own log
+# in OUT_DIR; a failed stage does not stop the next. The stage figures are printed at the end.
+#
+#   bash bench/gpu_run.sh OUT_DIR [quick]     # quick: a few steps of each (finds breakage)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [quick]}
+MODE=${2:-full}
+PY=${PY:-python3}
+# Weights pass through disk every step: keep them in RAM where /dev/shm has room (20 GB).
+SHM_KB=$(df --output=avail -k /dev/shm 2>/dev/null | tail -n 1)
+W=${GPU_RUN_DIR:-$([ "${SHM_KB:-0}" -gt 20000000 ] && echo /dev/shm/gpu_run || echo /tmp/gpu_run)}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$W"
+
+# Steps, and each stage's limit in seconds (the whole fits a 10-minute device call).
+if [ "$MODE" = quick ]; then
+  SFT_STEPS=8 GRPO_STEPS=4 EVAL=2 VS_MIN=0.4 VS_STEPS=6
+else
+  SFT_STEPS=${SFT_STEPS:-200} GRPO_STEPS=${GRPO_STEPS:-40} EVAL=20
+  VS_MIN=${VS_MIN:-1} VS_STEPS=${VS_STEPS:-200}
+fi
+T_TESTS=${T_TESTS:-100} T_MODEL=60 T_SFT=${T_SFT:-100} T_GRPO=${T_GRPO:-150} T_VS=${T_VS:-180}
+
+stage() {  # stage NAME SECONDS CMD...: run with a limit, log to OUT/NAME.log, report rc and time
+  local name=$1 secs=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name (limit ${secs}s)"
+  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0))s"
+  tail -n 6 "$OUT/$name.log"
+}
+
+nvidia-smi -L
+[ -n "${VS_FLAGS-x}" ] && $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0),
+'capability', torch.cuda.get_device_capability(0))"
+stage gpu_tests "$T_TESTS" $PY -m pytest tests/gpu -q -p no:cacheprovider
+
+MODEL=$W/qwen05b_shapes
+stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
+
+stage sft "$T_SFT" $PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \
+  cluster.fileroot="$W" model.path="$MODEL" cluster.n_gpus_per_node=1 \
+  total_train_steps=$SFT_STEPS train_dataset.options.size=$((SFT_STEPS * 64)) \
+  model.optimizer.lr=3e-4 stats_logger.print_every=10
+SFT=$(ls -d "$W"/arith-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
+
+stage grpo "$T_GRPO" $PY -m arealite.launcher.local examples/grpo.py \
+  --config examples/configs/arith_grpo.yaml cluster.fileroot="$W" actor.path="$SFT" \
+  cluster.n_gpus_per_node=1 cluster.share_gpus=true total_train_steps=$GRPO_STEPS \
+  evaluator.freq_steps=$EVAL actor.optimizer.lr=2e-5
+
+stage vs_trl "$T_VS" $PY bench/vs_trl.py ${VS_FLAGS---gpu} --model-path "$SFT" --seeds 1 --minutes "$VS_MIN" \
+  --steps "$VS_STEPS" --workdir "$W/vs_trl"
+
+echo "== figures"
+for run in arith-sft arith-grpo; do
+  $PY - "$W/$run/demo/metrics.jsonl" <<'PYEOF'
+import json, statistics, sys
+recs = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+wall = [r["wall_time"] for r in recs]
+out = {"run": sys.argv[1], "steps": len(recs),
+       "sec_per_step_median": round(statistics.median(b - a for a, b in zip(wall, wall[1:])), 3)}
+for k in sorted({k for r in recs for k in r if k.startswith("timeperf/")}):
+    out[k] = round(statistics.median(r[k] for r in recs[1:] if k in r), 3)
+out["loss_last"] = recs[-1].get("loss")
+out["accuracy"] = [(r["step"], round(r["eval/accuracy"], 3)) for r in recs if r.get("eval/accuracy") is not None]
+out["accuracy_before"] = next((r["eval/accuracy_before_training"] for r in recs if r.get("eval/accuracy_before_training") is not None), None)
+print(json.dumps(out))
+PYEOF
+done
+grep '^{' "$OUT/vs_trl.log" | tail -n 12
+cp "$W"/arith-grpo/demo/metrics.jsonl "$OUT/grpo_metrics.jsonl" 2>/dev/null
+true
