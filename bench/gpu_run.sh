@@ -2,7 +2,7 @@
 # The GPU figures on a one-GPU machine with no hub access: the GPU tests, then the demo's two
 # steps (SFT warm start, GRPO with the embedded server sharing the GPU with the trainer) on a
 # randomly initialised model of Qwen2.5-0.5B's shapes (bf16 where native, torch's SDPA kernels),
-# then bench/vs_trl.py --gpu from that warm start. Each stage has a time limit and its own log
+# with bench/vs_trl.py --gpu from that warm start in between. Each stage has a time limit and its own log
 # in OUT_DIR; a failed stage does not stop the next. The stage figures are printed at the end.
 #
 #   bash bench/gpu_run.sh OUT_DIR [quick]     # quick: a few steps of each (finds breakage)
@@ -40,7 +40,7 @@ nvidia-smi -L
 [ -n "${VS_FLAGS-x}" ] && $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0),
 'capability', torch.cuda.get_device_capability(0))"
-stage gpu_tests "$T_TESTS" $PY -m pytest tests/gpu -q -p no:cacheprovider
+stage gpu_tests "$T_TESTS" $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider
 
 MODEL=$W/qwen05b_shapes
 stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
@@ -51,13 +51,16 @@ stage sft "$T_SFT" $PY -m arealite.launcher.local examples/sft.py --config examp
   model.optimizer.lr=3e-4 stats_logger.print_every=10
 SFT=$(ls -d "$W"/arith-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
 
+# VS_ARGS: e.g. "--systems arealite --runs-from trl_runs.jsonl" (TRL's runs of an earlier call)
+stage vs_trl "$T_VS" $PY bench/vs_trl.py ${VS_FLAGS---gpu} --model-path "$SFT" --seeds 1 \
+  --minutes "$VS_MIN" --steps "$VS_STEPS" --workdir "$W/vs_trl" ${VS_ARGS:-}
+
+# The demo's GRPO config; weight_update=tensor: the server opens CUDA IPC handles of the
+# trainer's weights on the shared GPU (WEIGHT_UPDATE=disk for the checkpoint round trip).
 stage grpo "$T_GRPO" $PY -m arealite.launcher.local examples/grpo.py \
   --config examples/configs/arith_grpo.yaml cluster.fileroot="$W" actor.path="$SFT" \
-  cluster.n_gpus_per_node=1 cluster.share_gpus=true total_train_steps=$GRPO_STEPS \
-  evaluator.freq_steps=$EVAL actor.optimizer.lr=2e-5
-
-stage vs_trl "$T_VS" $PY bench/vs_trl.py ${VS_FLAGS---gpu} --model-path "$SFT" --seeds 1 --minutes "$VS_MIN" \
-  --steps "$VS_STEPS" --workdir "$W/vs_trl"
+  cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=${WEIGHT_UPDATE:-tensor} \
+  total_train_steps=$GRPO_STEPS evaluator.freq_steps=$EVAL actor.optimizer.lr=2e-5
 
 echo "== figures"
 for run in arith-sft arith-grpo; do

@@ -312,7 +312,8 @@ def main() -> None:
     extra = args.arealite_args.split()
     if args.gpu:
         emit("gpu", name=gpu_name())
-        extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", *extra]
+        extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "weight_update=tensor",
+                 *extra]  # fmt: skip
     runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu),
                "arealite": lambda *a: run_arealite(*a, extra=extra)}  # fmt: skip
     emit("protocol", minutes=args.minutes, steps=args.steps, lr=LR,

@@ -14,7 +14,7 @@ from arealite.api.cli_args import ConfigError, GRPOConfig
 from arealite.api.config_loader import load_expr_config
 from arealite.launcher.local import trainer_env
 from arealite.launcher.placement import GpuPlan, plan_gpus, plan_local, visible_devices
-from arealite.launcher.preflight import check_resources, plan_cluster
+from arealite.launcher.preflight import check_resources, check_weight_update, plan_cluster
 from arealite.launcher.servers import plan_servers
 
 
@@ -99,7 +99,8 @@ def test_the_counter_never_hands_a_device_out_twice():
 
 def test_shared_gpus_put_server_and_trainer_on_the_same_devices(tmp_path):
     """cluster.share_gpus: a one-GPU machine runs the embedded server and the trainer on GPU 0;
-    without it the same run is refused; NCCL weight updates and Ray/Slurm are refused with it."""
+    without it the same run is refused; with it weights go as tensor handles (or disk): NCCL
+    updates and Ray/Slurm are refused."""
     cfg = config(tmp_path, "local.d1p1t1+d1p1t1", 1)
     with pytest.raises(ConfigError, match="share_gpus=true"):
         plan_local(cfg, 1, None)
@@ -111,9 +112,19 @@ def test_shared_gpus_put_server_and_trainer_on_the_same_devices(tmp_path):
     two.cluster.share_gpus = True
     assert plan_local(two, 2, None) == GpuPlan(servers=(("0", "1"),), trainer=("0", "1"))
     cfg.weight_update = "distributed"
-    with pytest.raises(ConfigError, match="needs weight_update=disk"):
+    with pytest.raises(ConfigError, match="needs weight_update=tensor"):
         check_resources(cfg)
-    cfg.weight_update = "disk"
+    cfg.weight_update = "tensor"  # CUDA IPC handles on the shared GPU
+    check_resources(cfg)
+    check_weight_update(cfg)
+    cfg.cluster.share_gpus = False
+    with pytest.raises(ConfigError, match="tensor .*needs cluster.share_gpus=true"):
+        check_weight_update(cfg)
+    cfg.cluster.share_gpus = True
+    vllm = config(tmp_path, "vllm.d1p1t1+d1p1t1", 1)
+    vllm.weight_update = "tensor"
+    with pytest.raises(ConfigError, match="weight_update=tensor needs SGLang"):
+        check_weight_update(vllm)
     with pytest.raises(ConfigError, match="local launcher only"):
         plan_cluster(cfg)
 

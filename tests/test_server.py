@@ -486,6 +486,45 @@ def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_di
     assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
 
 
+@pytest.mark.integration
+def test_tensor_weight_push_and_its_refusals(server, tiny_model_dir, tiny_model_dir_v2):
+    """/update_weights_from_tensor opens handles of this process's tensors (shared memory on
+    a CPU, CUDA IPC on a GPU) and serves them; a payload that is not tensor handles (a pickled
+    function, garbage, the wrong count or names) is refused with 400 and nothing changes."""
+    import base64
+    import os
+    import pickle
+
+    from safetensors.torch import load_file
+
+    from arealite.utils.tensor_handles import serialize_named_tensors
+
+    p = prompts(1, seed=7)[0]
+    sp = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir_v2})[0] == 200
+    want = generate(server, p, **sp)["output_ids"]
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    before = generate(server, p, **sp)["output_ids"]
+    state = load_file(f"{tiny_model_dir_v2}/model.safetensors")
+    evil = base64.b64encode(pickle.dumps(os.system)).decode()
+    pairs = base64.b64encode(pickle.dumps([1, 2])).decode()
+    wrong = serialize_named_tensors([("no.such.weight", torch.zeros(2))])
+    for payloads, needle in (([evil], "refused global"), (["%%"], "not base64"),
+                             ([pairs], "(name, tensor) pairs"), ([wrong, wrong], "got 2"),
+                             ([wrong], "no.such.weight")):  # fmt: skip
+        status, res = post(server, "/update_weights_from_tensor",
+                           {"serialized_named_tensors": payloads})  # fmt: skip
+        assert status == 400 and needle in str(res), (needle, res)
+    assert generate(server, p, **sp)["output_ids"] == before  # nothing was loaded
+    body = {"serialized_named_tensors": [serialize_named_tensors(sorted(state.items()))],
+            "weight_version": "43"}  # fmt: skip
+    status, res = post(server, "/update_weights_from_tensor", body)
+    assert status == 200 and res["success"], res
+    out = generate(server, p, **sp)
+    assert out["output_ids"] == want and out["meta_info"]["weight_version"] == 43
+    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+
+
 # ---- in-process units (no HTTP) ------------------------------------------------------------------
 def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_model):
     """A request prefilled mid-decode is left-padded into the running cache; nothing shifts."""

@@ -42,8 +42,10 @@ def client(url: str) -> WorkflowExecutor:
     return executor
 
 
-def test_distributed_push_equals_disk_push(tiny_model_dir, build_engine, tmp_path, monkeypatch):
-    """One trained actor, two servers: one synced over the group, one from disk. Both then
+@pytest.mark.parametrize("mode", ["distributed", "tensor"])
+def test_push_equals_disk_push(mode, tiny_model_dir, build_engine, tmp_path, monkeypatch):
+    """One trained actor, two servers: one synced over the group (distributed) or through
+    tensor handles (tensor: shared memory here, CUDA IPC on a GPU), one from disk. Both then
     serve the same weights (same greedy tokens, same logprobs), twice in a row."""
     from arealite.server.process import launch_server
 
@@ -58,7 +60,7 @@ def test_distributed_push_equals_disk_push(tiny_model_dir, build_engine, tmp_pat
     ):
         executors = [client(a.url), client(b.url)]
         try:
-            syncs = [WeightSync("distributed", actor, executors[0], str(tmp_path / "unused")),
+            syncs = [WeightSync(mode, actor, executors[0], str(tmp_path / "unused")),
                      WeightSync("disk", actor, executors[1], str(tmp_path / "w"))]  # fmt: skip
             before = greedy(a.url, prompt)
             for version, seed in ((1, 1), (2, 2)):

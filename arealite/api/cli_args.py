@@ -258,13 +258,15 @@ class GRPOConfig(BaseExperimentConfig):
     )
     critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
     server: ServerConfig = field(default_factory=ServerConfig)
-    weight_update: Literal["disk", "distributed"] = field(
+    weight_update: Literal["disk", "distributed", "tensor"] = field(
         default="disk",
         metadata=_help(
             "How new weights reach the servers after each step: disk (an HF checkpoint in "
             "<run_dir>/weight_sync that the servers reload; any backend, LoRA too) | "
             "distributed (trainer rank 0 broadcasts to every server rank: NCCL on GPU, gloo on "
-            "CPU; SGLang or the embedded server, full weights only)."
+            "CPU; SGLang or the embedded server, full weights only) | tensor (servers on the "
+            "trainer's GPU, cluster.share_gpus, open CUDA IPC handles of its weights: no copy "
+            "through disk; SGLang or the embedded server, TP 1, full weights only)."
         ),
     )
     reward: Any = field(

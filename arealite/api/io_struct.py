@@ -130,9 +130,12 @@ class WeightUpdateMeta:
     `FSDPEngine.nccl_param_specs`) in a group of `nccl_world_size` ranks (1 + every server's
     tensor-parallel ranks, from `RemoteInferenceEngine.nccl_world_size()`), so neither side
     needs to ask the other over HTTP.
+
+    tensor: servers on the trainer's own GPU open `tensor_payloads` (one per bucket, from
+    `arealite.utils.tensor_handles`): CUDA IPC handles of the trainer's tensors, no copy.
     """
 
-    type: Literal["disk", "nccl"] = "disk"
+    type: Literal["disk", "nccl", "tensor"] = "disk"
     path: str | None = None
     version: int = 0
     # NCCL broadcast fields (GPU only).
@@ -144,6 +147,7 @@ class WeightUpdateMeta:
     nccl_world_size: int | None = None
     # The group's backend: nccl between GPUs; gloo is its CPU stand-in (embedded server only).
     nccl_backend: Literal["nccl", "gloo"] = "nccl"
+    tensor_payloads: list[str] = field(default_factory=list)
 
     @classmethod
     def from_disk(cls, path: str, version: int = 0) -> WeightUpdateMeta:
@@ -168,8 +172,10 @@ class WeightUpdateMeta:
         )
 
     def __post_init__(self):
-        if self.type not in ("disk", "nccl"):
-            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'nccl', got {self.type!r}")
+        if self.type not in ("disk", "nccl", "tensor"):
+            raise ValueError(
+                f"WeightUpdateMeta.type must be 'disk', 'nccl' or 'tensor', got {self.type!r}"
+            )
         if self.type == "disk" and not self.path:
             raise ValueError("WeightUpdateMeta(type='disk') needs a path")
 

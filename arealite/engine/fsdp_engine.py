@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from arealite.utils.save_load import (
     load_safetensors_dir,
     write_safetensors_shards,
 )
+from arealite.utils.tensor_handles import serialize_named_tensors
 from arealite.utils.vision import checkpoint_to_module_names
 
 
@@ -202,6 +205,27 @@ class FSDPEngine(BaseHFEngine):
             self._broadcast_weights(meta)
         else:
             raise ValueError(f"unknown weight update type {meta.type!r}")
+
+    @contextmanager
+    def weight_handles(self, bucket_size_mb: int | None = None) -> Iterator[list[str]]:
+        """Rank 0: one payload per bucket of full weights (`arealite.utils.tensor_handles`)
+        for servers on this machine's devices to open, valid until the block ends (one rank:
+        views of the live parameters, no copy). Other ranks take part in the gathers, get []."""
+        self._require_model()
+        if self.config.lora is not None:
+            raise ValueError("LoRA weights sync through disk (merged) only: weight_update=disk")
+        held = []
+        buckets = plan_buckets(self.model, self._bucket_bytes(bucket_size_mb))
+        for bucket in iter_full_buckets(buckets, device=self.device, to_cpu=False):
+            if du.is_main():
+                held.append(list(_to_original_names(self.model, bucket).items()))
+        if held and self.device.type == "cuda":
+            torch.cuda.synchronize()  # the last optimizer step's writes land first
+        payloads = [serialize_named_tensors(named) for named in held]
+        try:
+            yield payloads
+        finally:
+            held.clear()
 
     def nccl_param_specs(self, bucket_size_mb: int | None = None) -> list[list[ParamSpec]]:
         """The broadcast plan: buckets of (checkpoint name, shape, dtype) in send order. Goes

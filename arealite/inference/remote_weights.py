@@ -1,7 +1,8 @@
 """Weight updates of a remote inference client, and bringing a restarted server up to date.
 
 An update pauses generation everywhere (in-flight requests come back aborted and wait), loads
-the new weights on every live server (from disk, or received over NCCL from trainer rank 0),
+the new weights on every live server (from disk, received over NCCL from trainer rank 0, or
+opened from CUDA IPC handles of the trainer's tensors on a shared GPU),
 then continues. A server that failed and came back rejoins only after it loaded the weights
 last pushed, under the same lock, so no server ever serves an older version than the others.
 """
@@ -40,6 +41,9 @@ class WeightClient(Protocol):
     ) -> None: ...
     async def update_server_from_distributed(
         self, addr: str, meta: WeightUpdateMeta, bucket: list[ParamSpec], last: bool
+    ) -> None: ...
+    async def update_server_from_tensor(
+        self, addr: str, meta: WeightUpdateMeta, payload: str, last: bool
     ) -> None: ...
     async def server_tp_size(self, addr: str) -> int: ...
 
@@ -105,6 +109,13 @@ class WeightUpdates:
                 f"update_weights_from_disk({meta.path})",
                 lambda a: c.update_server_from_disk(a, meta),
             )
+        elif meta.type == "tensor":
+            for i, payload in enumerate(meta.tensor_payloads):
+                last = i == len(meta.tensor_payloads) - 1
+                await c.pool.on_servers(
+                    "update_weights_from_tensor",
+                    lambda a, p=payload, last=last: c.update_server_from_tensor(a, meta, p, last),
+                )
         else:
             await self._update_nccl(meta)
 

@@ -150,6 +150,17 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
         body = await self.pool.call(addr, "POST", "/update_weights_from_distributed", payload)
         _check_success(addr, "/update_weights_from_distributed", body)
 
+    async def update_server_from_tensor(
+        self, addr: str, meta: WeightUpdateMeta, payload: str, last: bool
+    ) -> None:
+        """One bucket of tensor handles (SGLang's /update_weights_from_tensor: one payload per
+        TP rank; the servers this runs with share the trainer's GPU, TP 1)."""
+        body = {"serialized_named_tensors": [payload], "flush_cache": last}
+        if last:
+            body["weight_version"] = str(meta.version)
+        out = await self.pool.call(addr, "POST", "/update_weights_from_tensor", body)
+        _check_success(addr, "/update_weights_from_tensor", out)
+
 
 def _check_success(addr: str, path: str, body: Any) -> None:
     if isinstance(body, dict) and body.get("success") is False:

@@ -233,8 +233,8 @@ def check_resources(config, n_gpus_available: int | None = None) -> None:
     share = config.cluster.share_gpus
     if share and getattr(config, "weight_update", "disk") == "distributed":
         raise ConfigError(
-            "cluster.share_gpus=true needs weight_update=disk: the NCCL weight-update group "
-            "would put the trainer's rank 0 and a server on one device, which NCCL refuses"
+            "cluster.share_gpus=true needs weight_update=tensor (or disk): the NCCL weight-update "
+            "group would put the trainer's rank 0 and a server on one device, which NCCL refuses"
         )
     if n_gpus:
         need = alloc.gen_world_size + alloc.train_world_size
@@ -279,20 +279,31 @@ def check_master_weight_precision(config) -> None:
 
 
 def check_weight_update(config) -> None:
-    """weight_update=distributed speaks SGLang's group protocol (SGLang, embedded server)."""
-    if getattr(config, "weight_update", "disk") != "distributed":
+    """distributed / tensor speak SGLang's protocols (SGLang, embedded server), full weights
+    only; tensor hands CUDA IPC handles to servers on the trainer's own GPU."""
+    mode = getattr(config, "weight_update", "disk")
+    if mode == "disk":
         return
     if config.allocation.gen_backend == "vllm":
         raise ConfigError(
-            "weight_update=distributed needs SGLang's /init_weights_update_group (sglang or "
-            "the embedded 'local' backend); with vllm use weight_update=disk"
+            f"weight_update={mode} needs SGLang's weight endpoints (sglang or the embedded "
+            "'local' backend); with vllm use weight_update=disk"
         )
     lora = getattr(getattr(config, "actor", None), "lora", None)
     if lora is not None:
         raise ConfigError(
-            "weight_update=distributed sends full weights; a LoRA actor syncs merged weights "
+            f"weight_update={mode} sends full weights; a LoRA actor syncs merged weights "
             "through disk: use weight_update=disk"
         )
+    gpus = config.cluster.n_gpus_per_node
+    if mode == "tensor" and gpus and not config.cluster.share_gpus:
+        raise ConfigError(
+            "weight_update=tensor hands the servers handles of the trainer's GPU memory: it "
+            "needs cluster.share_gpus=true (server and trainer on the same GPU)"
+        )
+    gen = config.allocation.gen
+    if mode == "tensor" and gen is not None and gen.tensor_parallel_size > 1:
+        raise ConfigError("weight_update=tensor: servers of tensor-parallel size 1 only")
 
 
 def load_and_check(argv: list[str]):

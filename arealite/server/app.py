@@ -34,9 +34,11 @@ from arealite.server.weight_guard import (
 from arealite.server.weight_sync import (
     Unsupported,
     WeightGroups,
+    load_tensor_payload,
     parse_group_spec,
     parse_tensor_specs,
 )
+from arealite.utils.tensor_handles import RefusedPayload
 
 logger = logging.getLogger("arealite.server")
 
@@ -44,7 +46,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 POST_ROUTES = (
     "generate", "pause_generation", "continue_generation", "abort_request",
     "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
-    "destroy_weights_update_group", "flush_cache",
+    "update_weights_from_tensor", "destroy_weights_update_group", "flush_cache",
 )  # fmt: skip
 GET_ROUTES = ("health", "get_model_info", "get_server_info", "get_weight_version", "metrics")
 
@@ -265,16 +267,43 @@ class InferenceServer:
             self.scheduler.abort(None)
 
         def job() -> str:
-            tensors = self.weight_groups.receive(group, specs)
-            message = self.runner.load_named_tensors(tensors)
+            return self.runner.load_named_tensors(self.weight_groups.receive(group, specs))
+
+        return await self._load_bucket(job, version, "update_weights_from_distributed")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """One bucket as tensor handles from a trainer on this GPU (a payload per TP rank: one
+        here); the version moves when the request carries one (the trainer's last bucket)."""
+        body = parse_body("update_weights_from_tensor", await request.read())
+        payloads = body["serialized_named_tensors"]
+        if len(payloads) != 1:
+            raise BadRequest(
+                "serialized_named_tensors: one payload per tensor-parallel rank; this server "
+                f"has 1, got {len(payloads)}"
+            )
+        version = body.get("weight_version")
+        version = None if version is None else parse_weight_version(version, 0)
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None)
+
+        def job() -> str:
+            return load_tensor_payload(self.runner, payloads[0])
+
+        return await self._load_bucket(job, version, "serialized_named_tensors")
+
+    async def _load_bucket(self, job, version: int | None, what: str) -> web.Response:
+        """Run `job` (load one bucket) between batches; tag `version` after it, if given."""
+
+        def load() -> str:
+            message = job()
             if version is not None:
                 self.scheduler.set_weight_version(version)
             return message
 
         try:
-            message = await asyncio.wrap_future(self.scheduler.run_exclusive(job))
+            message = await asyncio.wrap_future(self.scheduler.run_exclusive(load))
         except Exception as e:
-            msg = f"update_weights_from_distributed failed: {e}"
+            msg = f"{what}: {e}" if isinstance(e, RefusedPayload) else f"{what} failed: {e}"
             return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
         return web.json_response(
             {"success": True, "message": message, "weight_version": self.scheduler.weight_version}

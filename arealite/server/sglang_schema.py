@@ -50,6 +50,11 @@ MODELS: dict[str, dict[str, tuple[str, bool]]] = {
         "abort_all_requests": (_BOOL, False), "weight_version": (_VERSION, False),
         "load_format": (_STR, False), "torch_empty_cache": (_BOOL, False),
     },
+    "update_weights_from_tensor": {
+        **_BASE, "serialized_named_tensors": (_STR_LIST, True), "load_format": (_STR, False),
+        "flush_cache": (_BOOL, False), "abort_all_requests": (_BOOL, False),
+        "weight_version": (_VERSION, False),
+    },
     "destroy_weights_update_group": {**_BASE, "group_name": (_STR, False)},
 }  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""SGLang's distributed weight push: the trainer broadcasts tensors straight into the server.
+"""SGLang's distributed weight push: the trainer broadcasts tensors straight into the server;
+and its tensor push: a trainer on the same GPU hands over CUDA IPC handles of its weights.
 
 `/init_weights_update_group` joins a process group made with the same rendezvous as the
 trainer's `arealite.utils.distributed.init_custom_process_group` (trainer rank 0, server ranks
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from arealite.server.protocol import BadRequest, require_object
+from arealite.utils.tensor_handles import deserialize_named_tensors
 
 _DTYPES = {
     "float32": torch.float32,
@@ -142,3 +144,13 @@ class WeightGroups:
         with self._lock:
             self._groups.pop(name, None)
         dist.destroy_process_group(group)
+
+
+def load_tensor_payload(runner, payload: str) -> str:
+    """Open the handles (RefusedPayload for anything else), copy into the served model, and
+    wait for the copy: the trainer may change its tensors as soon as this answers."""
+    named = deserialize_named_tensors(payload)
+    message = runner.load_named_tensors(named)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return message

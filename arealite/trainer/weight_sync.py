@@ -1,8 +1,11 @@
 """The training loop's weight sync, written once: trainer -> inference servers.
 
-Two transports (GRPOConfig.weight_update):
+Three transports (GRPOConfig.weight_update):
 - `disk`: every rank takes part in writing an HF checkpoint under `<run_dir>/weight_sync`,
   then rank 0 tells the servers to reload it. The write must finish before the reload.
+- `tensor`: servers on the trainer's own GPU (`cluster.share_gpus`) open CUDA IPC handles of
+  its weights and copy them on the device (SGLang's /update_weights_from_tensor): no disk, and
+  no NCCL group, which refuses two members on one device.
 - `distributed`: trainer rank 0 and every server rank form one process group (NCCL on GPU,
   gloo on CPU) and rank 0 broadcasts the weights bucket by bucket (SGLang's
   /init_weights_update_group + /update_weights_from_distributed). Here the order is the
@@ -24,7 +27,7 @@ from arealite.utils.network import find_free_port, local_ip_towards
 
 logger = logging.getLogger("arealite.weight_sync")
 
-WEIGHT_UPDATE_MODES = ("disk", "distributed")
+WEIGHT_UPDATE_MODES = ("disk", "distributed", "tensor")
 
 
 class WeightSync:
@@ -49,6 +52,8 @@ class WeightSync:
         try:
             if self.mode == "disk":
                 self._push_disk(version)
+            elif self.mode == "tensor":
+                self._push_tensor(version)
             else:
                 self._push_distributed(version)
             du.barrier()  # every rank's clients then expect the new version
@@ -64,6 +69,13 @@ class WeightSync:
         self.actor.upload_weights(meta)  # collective; returns once the checkpoint is complete
         if du.is_main():
             self.rollout.update_weights(meta).result()
+
+    def _push_tensor(self, version: int) -> None:
+        bucket_mb = self.actor.config.weight_update_bucket_mb
+        with self.actor.weight_handles(bucket_mb) as payloads:  # collective
+            if du.is_main():
+                meta = WeightUpdateMeta(type="tensor", version=version, tensor_payloads=payloads)
+                self.rollout.update_weights(meta).result()  # servers copied: handles may go
 
     def _push_distributed(self, version: int) -> None:
         meta = self.distributed_meta(version)

@@ -1,6 +1,7 @@
-"""The NCCL weight push into the embedded server on CUDA: trainer on one GPU, server on
-another (NCCL refuses two members of a group on one device); it then serves what a server
-loading the same weights from disk serves (that one on the CPU, so 2 GPUs suffice)."""
+"""Weight pushes into the embedded server on CUDA: over NCCL (trainer on one GPU, server on
+another: NCCL refuses two members of a group on one device), or as CUDA IPC handles (trainer
+and server share one GPU). The server then serves what a server loading the same weights from
+disk serves (that one on the CPU, so 2 GPUs, or 1, suffice)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,17 @@ def greedy(url: str, prompt: list[int]) -> list[float]:
     return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
 
-@pytest.mark.integration
-def test_nccl_push_equals_disk_push(tiny_model_dir, build_engine, tmp_path):
-    need_gpus(2)  # trainer, server pushed over NCCL
+def push_and_compare(mode: str, gpu_env: dict, build_engine, tiny_model_dir, tmp_path) -> None:
+    """Train, push with `mode` into a server on the GPU (`gpu_env`) and from disk into one on
+    the CPU, twice; both then serve the same greedy logprobs."""
     from arealite.server.process import launch_server
 
     fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32")
     actor = build_engine(FSDPEngine, engine_config(tiny_model_dir, fsdp=fsdp,
                                                    weight_update_bucket_mb=1))  # fmt: skip
-    nccl = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
     extra = ["--allowed-weight-roots", str(tmp_path)]
     with (
-        launch_server(tiny_model_dir, dtype="float32", env={"CUDA_VISIBLE_DEVICES": "1", **nccl}) as a,
+        launch_server(tiny_model_dir, dtype="float32", env=gpu_env) as a,
         launch_server(tiny_model_dir, dtype="float32", extra_args=extra,
                       env={"CUDA_VISIBLE_DEVICES": ""}) as b,
     ):  # fmt: skip
@@ -48,13 +48,34 @@ def test_nccl_push_equals_disk_push(tiny_model_dir, build_engine, tmp_path):
             executors.append(WorkflowExecutor(engine.config, engine))
             executors[-1].initialize()
         try:
-            actor.train_batch(make_batch(n=4), sft_loss_fn, sft_loss_weight)
-            WeightSync("distributed", actor, executors[0], str(tmp_path / "x")).push(1)
-            WeightSync("disk", actor, executors[1], str(tmp_path / "w")).push(1)
+            syncs = [WeightSync(mode, actor, executors[0], str(tmp_path / "x")),
+                     WeightSync("disk", actor, executors[1], str(tmp_path / "w"))]  # fmt: skip
             prompt = make_batch(n=1, seed=3)["input_ids"][0, :6].tolist()
-            got_a, got_b = torch.tensor(greedy(a.url, prompt)), torch.tensor(greedy(b.url, prompt))
-            assert (got_a - got_b).abs().max() < 1e-3  # GPU vs CPU fp32 kernels
+            for version in (1, 2):
+                actor.train_batch(make_batch(n=4, seed=version), sft_loss_fn, sft_loss_weight)
+                for sync in syncs:
+                    sync.push(version)
+                got_a = torch.tensor(greedy(a.url, prompt))
+                got_b = torch.tensor(greedy(b.url, prompt))
+                assert (got_a - got_b).abs().max() < 1e-3  # GPU vs CPU fp32 kernels
         finally:
             for ex in executors:
                 ex.destroy()
                 ex.engine.destroy()
+
+
+@pytest.mark.integration
+def test_nccl_push_equals_disk_push(tiny_model_dir, build_engine, tmp_path):
+    need_gpus(2)  # trainer, server pushed over NCCL
+    nccl = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    push_and_compare("distributed", {"CUDA_VISIBLE_DEVICES": "1", **nccl}, build_engine,
+                     tiny_model_dir, tmp_path)  # fmt: skip
+
+
+@pytest.mark.integration
+def test_tensor_push_on_a_shared_gpu_equals_disk_push(tiny_model_dir, build_engine, tmp_path):
+    """cluster.share_gpus: trainer and server on GPU 0; the server opens CUDA IPC handles of
+    the trainer's weights (weight_update=tensor)."""
+    need_gpus(1)
+    push_and_compare("tensor", {"CUDA_VISIBLE_DEVICES": "0"}, build_engine, tiny_model_dir,
+                     tmp_path)  # fmt: skip
