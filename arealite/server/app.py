@@ -59,6 +59,26 @@ class ServerOptions:
     max_batch_size: int = 64
 
 
+async def load_bucket(scheduler, job, version: int | None, what: str) -> web.Response:
+    """Run `job` (load one bucket of weights) between batches; tag `version` after it, if
+    given. A failure is a 400 naming `what`."""
+
+    def load() -> str:
+        message = job()
+        if version is not None:
+            scheduler.set_weight_version(version)
+        return message
+
+    try:
+        message = await asyncio.wrap_future(scheduler.run_exclusive(load))
+    except Exception as e:
+        msg = f"{what}: {e}" if isinstance(e, RefusedPayload) else f"{what} failed: {e}"
+        return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
+    return web.json_response(
+        {"success": True, "message": message, "weight_version": scheduler.weight_version}
+    )
+
+
 def _error(status: int, message: str, **extra) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
@@ -269,7 +289,7 @@ class InferenceServer:
         def job() -> str:
             return self.runner.load_named_tensors(self.weight_groups.receive(group, specs))
 
-        return await self._load_bucket(job, version, "update_weights_from_distributed")
+        return await load_bucket(self.scheduler, job, version, "update_weights_from_distributed")
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """One bucket as tensor handles from a trainer on this GPU (a payload per TP rank: one
@@ -289,25 +309,7 @@ class InferenceServer:
         def job() -> str:
             return load_tensor_payload(self.runner, payloads[0])
 
-        return await self._load_bucket(job, version, "serialized_named_tensors")
-
-    async def _load_bucket(self, job, version: int | None, what: str) -> web.Response:
-        """Run `job` (load one bucket) between batches; tag `version` after it, if given."""
-
-        def load() -> str:
-            message = job()
-            if version is not None:
-                self.scheduler.set_weight_version(version)
-            return message
-
-        try:
-            message = await asyncio.wrap_future(self.scheduler.run_exclusive(load))
-        except Exception as e:
-            msg = f"{what}: {e}" if isinstance(e, RefusedPayload) else f"{what} failed: {e}"
-            return web.json_response({"success": False, "message": msg, "error": msg}, status=400)
-        return web.json_response(
-            {"success": True, "message": message, "weight_version": self.scheduler.weight_version}
-        )
+        return await load_bucket(self.scheduler, job, version, "serialized_named_tensors")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = parse_body("destroy_weights_update_group", await request.read())
