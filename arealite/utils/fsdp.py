@@ -90,10 +90,10 @@ def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Te
     NCCL can gather them."""
     if not isinstance(t, DTensor):
         return t
-    if t.device_mesh.size() == 1:  # one rank holds it all: a view, no copy
-        return t.to_local()
     if device is not None and t.device != device:
         t = t.to(device)
+    if t.device_mesh.size() == 1:  # one rank holds it all: a view, no gather
+        return t.to_local()
     return t.full_tensor()
 
 
