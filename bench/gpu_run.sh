@@ -2,10 +2,14 @@
 # The GPU figures on a one-GPU machine with no hub access: the GPU tests, then the demo's two
 # steps (SFT warm start, GRPO with the embedded server sharing the GPU with the trainer) on a
 # randomly initialised model of Qwen2.5-0.5B's shapes (bf16 where native, torch's SDPA kernels),
-# with bench/vs_trl.py --gpu from that warm start in between. Each stage has a time limit and its own log
-# in OUT_DIR; a failed stage does not stop the next. The stage figures are printed at the end.
+# with bench/vs_trl.py --gpu from that warm start in between. Each stage has a time limit and
+# its own log in OUT_DIR; a failed stage does not stop the next. The figures are printed last.
 #
 #   bash bench/gpu_run.sh OUT_DIR [quick]     # quick: a few steps of each (finds breakage)
+#
+# Knobs (environment): SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
+# T_SFT T_VS T_GRPO (seconds); GPU_TESTS (pytest args), VS_ARGS (extra vs_trl.py args, e.g.
+# "--systems arealite --runs-from trl.jsonl"), WEIGHT_UPDATE (tensor | disk); PY (python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [quick]}
@@ -24,7 +28,7 @@ else
   SFT_STEPS=${SFT_STEPS:-200} GRPO_STEPS=${GRPO_STEPS:-40} EVAL=20
   VS_MIN=${VS_MIN:-1} VS_STEPS=${VS_STEPS:-200}
 fi
-T_TESTS=${T_TESTS:-100} T_MODEL=60 T_SFT=${T_SFT:-100} T_GRPO=${T_GRPO:-150} T_VS=${T_VS:-180}
+T_TESTS=${T_TESTS:-100} T_MODEL=${T_MODEL:-60} T_SFT=${T_SFT:-100} T_GRPO=${T_GRPO:-150} T_VS=${T_VS:-180}
 
 stage() {  # stage NAME SECONDS CMD...: run with a limit, log to OUT/NAME.log, report rc and time
   local name=$1 secs=$2 t0=$SECONDS rc
