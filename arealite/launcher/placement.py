@@ -67,26 +67,19 @@ def plan_gpus(
     """Servers first (`tp` devices each: a server's whole model-parallel group), then one device
     per trainer rank, from one counter; ConfigError naming the shortfall when `devices` are too
     few. `share` (cluster.share_gpus): the trainer ranks start again from the first device."""
-    if share:
-        need = max(n_servers * tp, n_ranks)
-        if need > len(devices):
-            raise ConfigError(
-                f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) sharing with {n_ranks} "
-                f"trainer rank(s) need {need} GPUs, but {len(devices)} are available"
-            )
-        servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
-        return GpuPlan(servers, tuple(devices[:n_ranks]))
-    need = n_servers * tp + n_ranks
+    need = max(n_servers * tp, n_ranks) if share else n_servers * tp + n_ranks
     if need > len(devices):
+        how, which = ("sharing GPUs with", "") if share else ("+", "distinct ")
         raise ConfigError(
-            f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) + {n_ranks} trainer rank(s) "
-            f"need {need} distinct GPUs, but {len(devices)} are available ({','.join(devices) or 'none'}); "
-            "servers and trainer ranks never share a GPU (a shared GPU runs out of memory and "
-            "NCCL refuses two ranks on one device): shrink allocation_mode, add GPUs, or set "
-            "cluster.share_gpus=true (with weight_update=disk)"
+            f"not enough GPUs: {n_servers} server(s) x {tp} GPU(s) {how} {n_ranks} trainer "
+            f"rank(s) need {need} {which}GPUs, but {len(devices)} are available "
+            f"({','.join(devices) or 'none'}); without cluster.share_gpus servers and trainer "
+            "ranks never share a GPU (a shared GPU must hold both, and NCCL refuses two ranks on "
+            "one device): shrink allocation_mode, add GPUs, or set cluster.share_gpus=true "
+            "(with weight_update=tensor or disk)"
         )
     servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
-    start = n_servers * tp
+    start = 0 if share else n_servers * tp
     return GpuPlan(servers, tuple(devices[start : start + n_ranks]))
 
 
