@@ -136,14 +136,21 @@ def sdpa_varlen_attention(
     dropout_p = dropout if module.training else 0.0
     outs = []
     for index, emit, longest in groups:
-        qg, kg, vg = (x[index].transpose(1, 2) for x in (q, k, v))  # [n, H, M, D]
+        qg, kg, vg = (_rows(x, index).transpose(1, 2) for x in (q, k, v))  # [n, H, M, D]
         with _kernel_for(query.device, longest):
             og = F.scaled_dot_product_attention(
                 qg, kg, vg, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=True
             )
-        outs.append(og.transpose(1, 2).flatten(0, 1)[emit])  # kept tokens, [sum L, H, D]
+        outs.append(_rows(og.transpose(1, 2).flatten(0, 1), emit))  # kept tokens, [sum L, H, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return (out if inverse is None else out[inverse])[None], None
+    return (out if inverse is None else _rows(out, inverse))[None], None
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`x[index]` for a LongTensor `index` of any shape, via index_select: its backward
+    (index_add) is several times faster on CPU than advanced indexing's (index_put with
+    accumulate) and the result is the same."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
 def _kernel_for(device: torch.device, longest: int):
