@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -28,7 +27,7 @@ from arealite.agent.route import AgentRoute
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
 from arealite.engine.lora import count_parameters, optimizer_state_bytes
-from arealite.engine.ppo.actor import FSDPPPOActor, PartialUpdate
+from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.inference import make_remote_engine
 from arealite.reward import make_reward_pool
@@ -43,7 +42,6 @@ from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.trainer.weight_sync import WeightSync
 from arealite.utils import stats_tracker
-from arealite.utils.data import concat_padded_tensors
 from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -192,19 +190,6 @@ class ServerRollouts:
         batch = self.executor.rollout_batch(rows, self.workflow)
         return batch, self.executor.last_batch_data
 
-    def next_parts(self, n_parts: int):
-        """The next batch as `n_parts` parts of whole groups, each yielded as soon as it is
-        generated (actor.overlap_chunks); then `self.batch` is the whole batch as generated
-        and `self.rows` its dataset rows."""
-        size, parts, self.rows = self.loader.batch_size // n_parts, [], []
-        for _ in range(n_parts):
-            part = self.executor.prepare_batch(self.loader, self.workflow, self.group_filter,
-                                               count=size)  # fmt: skip
-            self.rows += self.executor.last_batch_data
-            parts.append(part.select(*part.keys()))  # training adds keys to `part`, not here
-            yield part
-        self.batch = concat_padded_tensors(parts)
-
     def states(self) -> dict:
         return {"rollout": self.executor, "workflow": self.workflow}  # reward counters continue
 
@@ -293,42 +278,10 @@ class Trainers:
                           "actor/optimizer_state_bytes": optimizer_state_bytes(actor.optimizer)})  # fmt: skip
         return stats
 
-    def train_parts(self, parts, global_step: int) -> dict:
-        """`train` for a batch that arrives in parts (actor.overlap_chunks; no critic): each
-        part's reference logprobs, advantages, forward and backward as soon as it arrives, one
-        optimizer step after the last. timeperf/rollout is the time spent waiting for parts."""
-        actor, update, waited, t0 = self.actor, PartialUpdate(), 0.0, time.perf_counter()
-        while True:
-            t = time.perf_counter()
-            part = next(parts, None)
-            waited += time.perf_counter() - t
-            if part is None:
-                break
-            if self.ref is not None:
-                part["ref_logp"] = self.ref.compute_logp(part)
-            actor.compute_advantages(part)
-            actor.accumulate_update(part, update)
-        stats = actor.finish_update(update)[0]
-        actor.step_lr_scheduler()
-        with stats_tracker.scope("timeperf"):
-            stats_tracker.scalar(rollout=waited, train_step=time.perf_counter() - t0 - waited)
-        return stats
-
     def destroy(self) -> None:
         for engine in (self.actor, self.ref, self.critic):
             if engine is not None:
                 engine.destroy()
-
-
-def rollout_and_train(rollouts, trainers: Trainers, global_step: int, parts: int):
-    """Steps 1-2 of the loop: (batch, its dataset rows, training stats). With `parts` > 1
-    (actor.overlap_chunks) each part of the batch trains as soon as it is generated."""
-    if parts > 1:
-        stats = trainers.train_parts(rollouts.next_parts(parts), global_step)
-        return rollouts.batch, rollouts.rows, stats
-    with stats_tracker.record_timing("rollout"):
-        batch, rows = rollouts.next_batch(global_step)
-    return batch, rows, trainers.train(batch, global_step)
 
 
 def publish_weights(weights: WeightSync | None, actor, version: int, evaluators) -> None:
@@ -456,14 +409,15 @@ def main(argv: list[str], workflow_cls=None, load_processor=None) -> None:
 
     no_signal = NoLearningSignal(config.rollout.no_signal_steps, config.actor.group_size)
     for global_step in range(start, total_steps):
-        # 1. Rollout: async (staleness-bounded, overlaps training), sync (eta = 0) or recorded;
-        # 2. reference logprobs, values, advantages, the PPO update.
-        batch, rows, stats = rollout_and_train(rollouts, trainers, global_step,
-                                               config.actor.overlap_chunks)  # fmt: skip
+        # 1. Rollout: async (staleness-bounded, overlaps training), sync (eta = 0) or recorded.
+        with stats_tracker.record_timing("rollout"):
+            batch, rows = rollouts.next_batch(global_step)
         log_trained_items(trained_log, global_step, rows)
         if recorder is not None:
             recorder.write(global_step, batch, rows)
         no_signal.observe(global_step, batch["rewards"])  # warns once: equal rewards in every group
+        # 2. Reference logprobs, values, advantages, the PPO update.
+        stats = trainers.train(batch, global_step)
         # 3. Weight sync: the servers load the new weights (written once: publish_weights).
         with stats_tracker.record_timing("update_weights"):
             publish_weights(weights, actor, global_step + 1, evaluators)

@@ -80,33 +80,6 @@ def test_impossible_combinations(grpo_yaml, override, needle):
         load_expr_config(["--config", grpo_yaml, override], GRPOConfig)
 
 
-@pytest.mark.parametrize(
-    "overrides,needle",
-    [
-        (["actor.overlap_chunks=3"], "must divide the groups per trainer rank"),
-        (["actor.overlap_chunks=2", "actor.adv_norm_std_level=batch"], "actor.adv_norm_std_level"),
-        (["actor.overlap_chunks=2", "actor.ppo_n_minibatches=2"], "actor.ppo_n_minibatches"),
-        (
-            [
-                "actor.overlap_chunks=2",
-                "actor.preset=ppo",
-                "critic.path=m",
-                "actor.adv_norm_mean_level=none",
-                "actor.adv_norm_std_level=none",
-            ],
-            "no critic",
-        ),
-        (["actor.overlap_chunks=2", "actor.preset=ppo", "critic.path=m"], "adv_norm_mean_level"),
-        (["actor.overlap_chunks=0"], "actor.overlap_chunks"),
-    ],
-)
-def test_a_batch_in_parts_refuses_what_needs_the_whole_batch(grpo_yaml, overrides, needle):
-    with pytest.raises(ConfigError, match=needle):
-        load_expr_config(["--config", grpo_yaml, *overrides], GRPOConfig)
-    cfg = load_expr_config(["--config", grpo_yaml, "actor.overlap_chunks=4"], GRPOConfig)
-    assert cfg.actor.overlap_chunks == 4
-
-
 def test_derived_keys_follow_the_users_key(grpo_yaml):
     """One key per fact: the group size is gconfig.n_samples, the prompts per step
     train_dataset.batch_size; the written config leaves the derived keys out, so it loads."""

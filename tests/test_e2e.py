@@ -113,14 +113,13 @@ def sft_run(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory, sft_run):
-    """Synchronous GRPO from the SFT export: the user's SFT -> RL pipeline; each batch trains
-    in two parts as its groups arrive (actor.overlap_chunks)."""
+    """Synchronous GRPO from the SFT export: the user's SFT -> RL pipeline."""
     root = str(tmp_path_factory.mktemp("e2e_sync"))
     model = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep4")
     args = grpo_overrides(root, "sync", model, steps=2)
     args += [
         "allocation_mode=local.d1p1t1+d1p1t1",
-        "rollout.max_head_offpolicyness=0", "actor.overlap_chunks=2",
+        "rollout.max_head_offpolicyness=0",
     ]  # fmt: skip
     launch("grpo.py", "arith_grpo.yaml", args)
     return os.path.join(root, "e2e-grpo", "sync")
@@ -196,7 +195,6 @@ def test_sync_grpo_is_on_policy(sync_run):
         assert r["n_seqs"] == PROMPTS * SAMPLES and math.isfinite(r["loss"])
         assert r["staleness_max"] == 0, r  # eta = 0: every token from the current weights
         assert r["behave_logp_absdiff_max"] < 1e-3, r
-        assert r["update_successful"] == 1.0 and r["timeperf/train_step"] > 0, r
     assert server_versions(sync_run) == [1, 2]
     dumps = read_rollouts(sync_run)
     assert sorted(dumps) == [0, 1]

@@ -9,7 +9,7 @@ import torch
 from _torchrun_fsdp import VOCAB, engine_config
 
 from arealite.api.cli_args import ACTOR_PRESETS, OptimizerConfig, PPOActorConfig, PPOCriticConfig
-from arealite.engine.ppo.actor import FSDPPPOActor, PartialUpdate
+from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.utils.data import pad_sequences_to_tensors
 
@@ -191,37 +191,6 @@ def test_one_minibatch_reuses_the_training_forward_as_proximal_policy(make_actor
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
     for a, b in zip(explicit.model.parameters(), fused.model.parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor())
-
-
-@pytest.mark.parametrize("dynamic_sampling", [False, True])
-def test_a_batch_in_parts_is_the_same_update_as_the_whole_batch(make_actor, dynamic_sampling):
-    """actor.overlap_chunks: parts of whole groups arriving one by one (different lengths,
-    one all-equal group), accumulated then stepped once, give the whole batch's update and
-    statistics."""
-    kw = dict(group_size=2, use_decoupled_loss=True, behav_imp_weight_cap=5.0,
-              dynamic_sampling=dynamic_sampling)  # fmt: skip
-    whole, in_parts = make_actor(**kw), make_actor(**kw)
-    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
-    batch = rl_batch(rewards, gen_lens=[2, 3, 7, 4, 5, 6, 3, 2], seed=7)
-    batch["logprobs"] = (whole.compute_logp(batch) - 0.05) * batch["loss_mask"]
-    parts = [batch[:4].clone(), batch[4:6].clone(), batch[6:].clone()]
-    for actor in (whole, in_parts):
-        actor.set_version(1)
-    b = batch.clone()
-    adv_stats = whole.compute_advantages(b)
-    want = {**whole.ppo_update(b), **{f"ppo_actor/{k}": v for k, v in adv_stats.items()}}
-    update = PartialUpdate()
-    for part in parts:
-        in_parts.compute_advantages(part)
-        in_parts.accumulate_update(part, update)
-    got, got_batch = in_parts.finish_update(update)
-    assert got_batch.batch_size[0] == 8 and got["n_minibatches"] == 1.0
-    assert set(got) == set(want)
-    for key in want:
-        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-    for a, b in zip(whole.model.parameters(), in_parts.model.parameters()):
-        # Adam moves each weight by ~lr (1e-3) at step 1: 1% of a step for float rounding
-        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=1e-5)
 
 
 def test_several_minibatches_recompute_the_proximal_policy_first(make_actor):

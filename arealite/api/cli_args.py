@@ -338,19 +338,5 @@ class GRPOConfig(BaseExperimentConfig):
             )
         if self.actor.kl_ctl > 0 and self.ref is None:
             raise ConfigError("actor.kl_ctl > 0 needs a reference model: set ref.path")
-        self._check_overlap_chunks()
         if not self.server.model_path:
             self.server.model_path = self.actor.path
-
-    def _check_overlap_chunks(self) -> None:
-        """actor.overlap_chunks parts of whole groups per trainer rank, actor only, servers."""
-        parts, world = self.actor.overlap_chunks, self.allocation.train_world_size
-        if parts == 1:
-            return
-        if self.critic is not None or self.mode == "train_only":
-            raise ConfigError(f"actor.overlap_chunks={parts} needs a run with servers and no "
-                              f"critic (mode={self.mode}, critic.path={self.critic and self.critic.path})")  # fmt: skip
-        if (self.train_dataset.batch_size // world) % parts:
-            raise ConfigError(f"actor.overlap_chunks={parts} must divide the groups per trainer "
-                              f"rank (train_dataset.batch_size {self.train_dataset.batch_size} / "
-                              f"{world} ranks)")  # fmt: skip

@@ -10,7 +10,6 @@ import abc
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,17 +24,6 @@ from arealite.api.io_struct import (
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
-
-
-@dataclass
-class GradAccumulation:
-    """What `TrainEngine.accumulate_grads` sums on this rank until `apply_grads`."""
-
-    weight: float = 0.0  # loss weight (e.g. loss tokens)
-    loss_sum: float = 0.0  # sum of micro-batch mean loss x weight
-    n_tokens: float = 0.0
-    n_seqs: float = 0.0
-    n_mbs: int = 0
 
 
 class TrainEngine(abc.ABC):
@@ -75,21 +63,6 @@ class TrainEngine(abc.ABC):
     ) -> dict[str, float]:
         """One optimizer step on `input_`: forward, `loss_fn(logits, mb)` per micro-batch,
         backward, gradient clipping, step. Returns stats (grad_norm, lr, ...)."""
-
-    @abc.abstractmethod
-    def accumulate_grads(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, TensorDict], torch.Tensor],
-        loss_weight_fn: Callable[[TensorDict], float],
-        acc: GradAccumulation,
-    ) -> None:
-        """`train_batch`'s forward and backward for one part of a batch, summed into `acc`;
-        `apply_grads(acc)` then steps once: the same update as `train_batch` on all parts."""
-
-    @abc.abstractmethod
-    def apply_grads(self, acc: GradAccumulation) -> dict[str, float]:
-        """The optimizer step after `accumulate_grads`; returns `train_batch`'s stats."""
 
     @abc.abstractmethod
     def eval_batch(

@@ -206,24 +206,9 @@ class PPOActorConfig(TrainEngineConfig):
         ),
     )
 
-    overlap_chunks: int = field(
-        default=1,
-        metadata=_help(
-            "Train each batch in this many parts of whole groups: a part's forward and backward "
-            "run as soon as its groups are generated, while the rest still generate; one "
-            "optimizer step after the last part (the same update as one batch). Pays with "
-            "synchronous rollouts (max_head_offpolicyness 0), where the trainer otherwise "
-            "waits for the whole batch. Needs ppo_n_minibatches=1, group-level (or no) reward "
-            "normalisation, no advantage whitening, no critic."
-        ),
-    )
-
     def __post_init__(self):
         super().__post_init__()
         require(self.group_size >= 1, "actor.group_size", self.group_size, ">= 1")
-        require(self.overlap_chunks >= 1, "actor.overlap_chunks", self.overlap_chunks, ">= 1")
-        if self.overlap_chunks > 1:
-            self._check_overlap()
         n = self.ppo_n_minibatches
         require(n >= 1, "actor.ppo_n_minibatches", n, ">= 1")
         c = self.c_clip
@@ -242,25 +227,6 @@ class PPOActorConfig(TrainEngineConfig):
                 "actor.overlong_reward_penalty=true needs actor.overlong_tokens and "
                 "actor.overlong_penalty_factor"
             )
-
-    def _check_overlap(self) -> None:
-        """What a batch trained in parts cannot do: statistics over the whole batch before
-        the first part trains, or more than one optimizer step."""
-        whole_batch = {
-            "actor.ppo_n_minibatches": (self.ppo_n_minibatches, 1),
-            "actor.group_reward_mean_level": (self.group_reward_mean_level, "batch"),
-            "actor.group_reward_std_level": (self.group_reward_std_level, "batch"),
-            "actor.adv_norm_mean_level": (self.adv_norm_mean_level, "none"),
-            "actor.adv_norm_std_level": (self.adv_norm_std_level, "none"),
-        }
-        for key, (value, needed) in whole_batch.items():
-            bad = value == "batch" if needed == "batch" else value != needed
-            if bad:
-                want = "'group' or 'none'" if needed == "batch" else repr(needed)
-                raise ConfigError(
-                    f"actor.overlap_chunks={self.overlap_chunks} trains a batch in parts, so "
-                    f"{key} must be {want}, got {value!r}"
-                )
 
 
 @dataclass

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from arealite.api.cli_args import TrainEngineConfig
-from arealite.api.engine_api import GradAccumulation, TrainEngine
+from arealite.api.engine_api import TrainEngine
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
 from arealite.engine.batch_validation import validate_model_batch
 from arealite.engine.micro_batches import dummy_mb, split_across_ranks
@@ -164,48 +164,6 @@ class BaseHFEngine(TrainEngine):
         `loss_weight_fn(mb)` receive the packed micro-batch: a dict of [T] token entries plus
         `cu_seqlens`, `position_ids` and per-sequence entries. Empty global batches or a zero
         total weight skip the step with a warning."""
-        prepared = self._weighted_mbs(input_, loss_weight_fn)
-        if prepared is None:
-            return self._skipped("the batch is empty on every rank")
-        mbs, weights = prepared
-        total = du.all_reduce_sum([sum(weights)])[0]
-        if total <= 0:
-            return self._skipped("the total loss weight is 0 (e.g. no loss tokens)")
-        self.optimizer.zero_grad(set_to_none=True)
-        acc = GradAccumulation()
-        _backward(self, mbs, weights, loss_fn, du.world_size() / total, acc, input_)
-        return _step(self, acc, total)
-
-    def accumulate_grads(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
-        loss_weight_fn: Callable[[dict[str, Any]], float],
-        acc: GradAccumulation,
-    ) -> None:
-        """Forward and backward of one part of a batch whose total loss weight is not known
-        yet (its parts arrive one by one: `actor.overlap_chunks`). Gradients are summed
-        unnormalised into `acc`; `apply_grads(acc)` divides by the total and steps, so the
-        update equals `train_batch` on the whole batch. Every rank calls it equally often."""
-        prepared = self._weighted_mbs(input_, loss_weight_fn)
-        if not acc.n_mbs:
-            self.optimizer.zero_grad(set_to_none=True)
-        if prepared is not None:
-            _backward(self, *prepared, loss_fn, du.world_size(), acc, input_)
-
-    def apply_grads(self, acc: GradAccumulation) -> dict[str, float]:
-        """The optimizer step after `accumulate_grads`: gradients / the global loss weight."""
-        total = du.all_reduce_sum([acc.weight])[0]
-        if total <= 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._skipped("the total loss weight is 0 (e.g. no loss tokens)")
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(total)
-        return _step(self, acc, total)
-
-    def _weighted_mbs(self, input_, loss_weight_fn):
-        """(packed micro-batches, their loss weights), or None if every rank is empty."""
         self._require_model()
         if self.optimizer is None:
             raise RuntimeError(
@@ -213,9 +171,45 @@ class BaseHFEngine(TrainEngine):
             )
         prepared = self.prepare_mbs(input_)
         if prepared is None:
-            return None
+            return self._skipped("the batch is empty on every rank")
         mbs = prepared[0]
-        return mbs, [0.0 if mb.get("dummy") else float(loss_weight_fn(mb)) for mb in mbs]
+        weights = [0.0 if mb.get("dummy") else float(loss_weight_fn(mb)) for mb in mbs]
+        total = du.all_reduce_sum([sum(weights)])[0]
+        if total <= 0:
+            return self._skipped("the total loss weight is 0 (e.g. no loss tokens)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, scale = 0.0, du.world_size() / total
+        for mb, w in zip(mbs, weights):
+            out = self.forward_mb(mb)
+            if mb.get("dummy"):
+                loss = out.float().sum() * 0.0
+            else:
+                loss = loss_fn(out, mb)
+                loss_sum += float(loss.detach()) * w
+                loss = loss * (w * scale)
+            loss.backward()
+        grad_norm = clip_grad_norm_(
+            list(self.model.parameters()), self.config.optimizer.gradient_clipping
+        )
+        ok = math.isfinite(grad_norm)
+        if ok:
+            self.optimizer.step()
+        else:
+            warnings.warn(f"non-finite grad norm {grad_norm}: optimizer step skipped", stacklevel=2)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, n_tokens, n_seqs = du.all_reduce_sum(
+            [loss_sum, float(input_["attention_mask"].sum()), float(input_.batch_size[0])]
+        )
+        return dict(
+            loss=loss_sum / total,
+            grad_norm=grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+            update_successful=float(ok),
+            loss_weight=total,
+            n_tokens=n_tokens,
+            n_seqs=n_seqs,
+            n_mbs=float(len(mbs)),
+        )
 
     def _skipped(self, why: str) -> dict[str, float]:
         warnings.warn(f"train_batch skipped: {why}", stacklevel=3)
@@ -298,49 +292,6 @@ class BaseHFEngine(TrainEngine):
         if res is None or not with_entropy:
             return None if res is None else res.cpu()
         return res[..., 0].cpu(), res[..., 1].cpu()
-
-
-def _backward(
-    engine: BaseHFEngine, mbs, weights, loss_fn, scale: float, acc: GradAccumulation, input_
-):
-    """Each micro-batch's loss x its weight x `scale`, backward (gradients add up)."""
-    for mb, w in zip(mbs, weights):
-        out = engine.forward_mb(mb)
-        if mb.get("dummy"):
-            loss = out.float().sum() * 0.0
-        else:
-            loss = loss_fn(out, mb)
-            acc.loss_sum += float(loss.detach()) * w
-            loss = loss * (w * scale)
-        loss.backward()
-    acc.weight += sum(weights)
-    acc.n_mbs += len(mbs)
-    acc.n_tokens += float(input_["attention_mask"].sum())
-    acc.n_seqs += float(input_.batch_size[0])
-
-
-def _step(engine: BaseHFEngine, acc: GradAccumulation, total: float) -> dict[str, float]:
-    """Clip, step (skipped on a non-finite gradient norm), zero the gradients."""
-    grad_norm = clip_grad_norm_(
-        list(engine.model.parameters()), engine.config.optimizer.gradient_clipping
-    )
-    ok = math.isfinite(grad_norm)
-    if ok:
-        engine.optimizer.step()
-    else:
-        warnings.warn(f"non-finite grad norm {grad_norm}: optimizer step skipped", stacklevel=3)
-    engine.optimizer.zero_grad(set_to_none=True)
-    loss_sum, n_tokens, n_seqs = du.all_reduce_sum([acc.loss_sum, acc.n_tokens, acc.n_seqs])
-    return dict(
-        loss=loss_sum / total,
-        grad_norm=grad_norm,
-        lr=engine.optimizer.param_groups[0]["lr"],
-        update_successful=float(ok),
-        loss_weight=total,
-        n_tokens=n_tokens,
-        n_seqs=n_seqs,
-        n_mbs=float(acc.n_mbs),
-    )
 
 
 def shared_prompts_of(mb: dict[str, Any]) -> SharedPrompts | None:

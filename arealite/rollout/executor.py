@@ -218,13 +218,10 @@ class WorkflowExecutor:
         dataloader: Any,
         workflow: RolloutWorkflow,
         should_accept: Callable[[TensorDict], bool] | None = None,
-        count: int | None = None,
     ) -> TensorDict:
         """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
         episodes (so generation never waits for the trainer), and return the next
-        `dataloader.batch_size` accepted episodes (`count`: the next `count`, e.g. a part of
-        a batch that trains while the rest generate; admission is unchanged). Restarts the
-        dataloader at epoch end."""
+        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end."""
         batch_size = getattr(dataloader, "batch_size", None)
         if not batch_size:
             raise ValueError("prepare_batch needs a dataloader with a batch_size")
@@ -237,7 +234,7 @@ class WorkflowExecutor:
             while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
                     self._submit(Episode(item, workflow, should_accept, cursor=cursor))
-            batch = self._await_results(count or batch_size, timeout=None, refill_below=batch_size)
+            batch = self._await_results(batch_size, timeout=None, refill_below=batch_size)
             if batch is not None:
                 return batch
 

@@ -14,14 +14,13 @@ spans ranks. Every statistic reported is global over ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from arealite.api.cli_args import PPOActorConfig
-from arealite.api.engine_api import GradAccumulation, TrainEngine
+from arealite.api.engine_api import TrainEngine
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.packing import packed_logprobs, target_mask
 from arealite.engine.ppo.advantages import (
@@ -42,7 +41,7 @@ from arealite.engine.ppo.update_stats import (
     update_stats,
 )
 from arealite.utils import distributed as du
-from arealite.utils.data import concat_padded_tensors, split_padded_tensor_dict
+from arealite.utils.data import split_padded_tensor_dict
 
 
 class PPOActor:
@@ -97,11 +96,13 @@ class PPOActor:
         du.raise_if_any_rank_failed(error)  # later steps are collectives
         loss_mask = data["loss_mask"].bool() & data["attention_mask"].bool()
         raw = rewards
+        stats = {"reward_raw": masked_mean(rewards, None, all_reduce=True).item()}
         rewards = self._shape_rewards(data, rewards, loss_mask)
         if cfg.dynamic_sampling:
             keep = dynamic_sampling_mask(raw, cfg.group_size).repeat_interleave(cfg.group_size)
             loss_mask &= keep[:, None]
             data["loss_mask"] = loss_mask.to(data["loss_mask"].dtype)
+            stats["dynamic_sampling_kept_frac"] = keep.float().mean().item()
         rewards = group_normalize(
             rewards,
             cfg.group_size,
@@ -125,20 +126,8 @@ class PPOActor:
         data["seq_rewards"] = rewards.float()
         data["kl_rewards"], data["tot_rewards"] = kl_rewards, tot_rewards
         data["advantages"], data["returns"] = adv.float(), returns.float()
-        return self.advantage_stats(data)
-
-    def advantage_stats(self, data: TensorDict) -> dict[str, float]:
-        """Global statistics of a batch `compute_advantages` has seen (its parts may have been
-        seen one by one: the result is the whole batch's)."""
-        loss_mask = data["loss_mask"].bool() & data["attention_mask"].bool()
-        raw = data["rewards"].float()
-        stats = {"reward_raw": masked_mean(raw, None, all_reduce=True).item()}
-        if self.config.dynamic_sampling:
-            keep = dynamic_sampling_mask(raw, self.config.group_size)
-            kept = masked_mean(keep.float(), None, all_reduce=True)
-            stats["dynamic_sampling_kept_frac"] = kept.item()
-        stats["advantages"] = masked_mean(data["advantages"], loss_mask, all_reduce=True).item()
-        stats["kl_reward"] = masked_mean(data["kl_rewards"], loss_mask, all_reduce=True).item()
+        stats["advantages"] = masked_mean(adv, loss_mask, all_reduce=True).item()
+        stats["kl_reward"] = masked_mean(kl_rewards, loss_mask, all_reduce=True).item()
         return stats
 
     def _shape_rewards(
@@ -207,7 +196,14 @@ class PPOActor:
         """
         cfg = self.config
         needs_prox = self._needs_prox()
-        _check_update_keys(data)
+        missing = [k for k in ("loss_mask", "advantages", "logprobs") if k not in data.keys()]
+        error = None
+        if missing:
+            hint = {"advantages": "call actor.compute_advantages(batch) first"}.get(
+                missing[0], "the rollout must provide it"
+            )
+            error = KeyError(f"ppo_update: batch has no {missing[0]!r} ({hint})")
+        du.raise_if_any_rank_failed(error)
         fuse_prox = needs_prox and "prox_logp" not in data.keys()
         if fuse_prox and cfg.ppo_n_minibatches > 1:
             data["prox_logp"] = self.compute_logp(data)
@@ -221,32 +217,6 @@ class PPOActor:
             step_stats.append(self.engine.train_batch(mb, loss_fn, _n_targets))
         stats.update(update_stats(acc, step_stats, fuse_prox))
         return stats
-
-    # -- one update over a batch that arrives in parts (actor.overlap_chunks) ---------------
-
-    def accumulate_update(self, part: TensorDict, update: PartialUpdate) -> None:
-        """Forward and backward of one part of the batch (advantages computed), summed into
-        `update`: with one minibatch the weights do not change before `finish_update`, so the
-        proximal policy is still each part's own forward and the step equals `ppo_update` on
-        the whole batch."""
-        if self.config.ppo_n_minibatches != 1:
-            raise ValueError("a batch in parts needs actor.ppo_n_minibatches=1")
-        _check_update_keys(part)
-        update.fused_prox = self._needs_prox() and "prox_logp" not in part.keys()
-        self.engine.train()
-        loss_fn = self._make_loss_fn(update.acc, update.fused_prox)
-        self.engine.accumulate_grads(part, loss_fn, _n_targets, update.grads)
-        update.parts.append(part)
-
-    def finish_update(self, update: PartialUpdate) -> tuple[dict[str, float], TensorDict]:
-        """The optimizer step; (statistics of the whole batch as `compute_advantages` and
-        `ppo_update` report them, the whole batch)."""
-        batch = concat_padded_tensors(update.parts)
-        stats = batch_stats(batch, self.engine.get_version())
-        step = self.engine.apply_grads(update.grads)
-        stats.update(update_stats(update.acc, [step], update.fused_prox))
-        stats.update({f"ppo_actor/{k}": v for k, v in self.advantage_stats(batch).items()})
-        return stats, batch
 
     def _needs_prox(self) -> bool:
         return self.config.use_decoupled_loss or self.config.recompute_logprob
@@ -282,27 +252,6 @@ class PPOActor:
             return loss
 
         return loss_fn
-
-
-@dataclass
-class PartialUpdate:
-    """One PPO update in progress over the parts of a batch (`PPOActor.accumulate_update`)."""
-
-    grads: GradAccumulation = field(default_factory=GradAccumulation)
-    acc: dict[str, float] = field(default_factory=new_accumulator)
-    parts: list[TensorDict] = field(default_factory=list)
-    fused_prox: bool = False
-
-
-def _check_update_keys(data: TensorDict) -> None:
-    missing = [k for k in ("loss_mask", "advantages", "logprobs") if k not in data.keys()]
-    error = None
-    if missing:
-        hint = {"advantages": "call actor.compute_advantages(batch) first"}.get(
-            missing[0], "the rollout must provide it"
-        )
-        error = KeyError(f"ppo_update: batch has no {missing[0]!r} ({hint})")
-    du.raise_if_any_rank_failed(error)
 
 
 def _n_targets(mb: dict[str, Any]) -> float:
@@ -347,9 +296,3 @@ class FSDPPPOActor(FSDPEngine):
 
     def ppo_update(self, data: TensorDict) -> dict[str, float]:
         return self.actor.ppo_update(data)
-
-    def accumulate_update(self, part: TensorDict, update: PartialUpdate) -> None:
-        self.actor.accumulate_update(part, update)
-
-    def finish_update(self, update: PartialUpdate) -> tuple[dict[str, float], TensorDict]:
-        return self.actor.finish_update(update)
