@@ -34,6 +34,7 @@ from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.rollout.record import EpisodeRecorder, RecordedBatches, check_recording
+from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 from arealite.tasks import default_reward, is_vision_dataset, load_rows
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.learning_signal import NoLearningSignal
@@ -41,6 +42,7 @@ from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.trainer.weight_sync import WeightSync
+from arealite.utils import distributed as du
 from arealite.utils import stats_tracker
 from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import load_vlm_processor
@@ -74,6 +76,18 @@ class Evaluation:
         self.executor.engine.destroy()
 
 
+def make_rollout_engine(config, rollout_cfg, rank: int):
+    """The rollout client: HTTP to the inference servers, or (allocation_mode colocated+...)
+    this rank's in-process generator, which training and evaluation share."""
+    if not config.allocation.colocated:
+        return make_remote_engine(config.allocation.gen_backend, rollout_cfg)
+    server = config.server
+    generator = ColocatedGenerator.shared(server.model_path or config.actor.path, server.dtype,
+                                          du.current_device(), config.seed + rank,
+                                          server.max_batch_size)  # fmt: skip
+    return ColocatedEngine(rollout_cfg, generator)
+
+
 def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None):
     """The run's Evaluation, or None without a valid_dataset."""
     if config.valid_dataset is None:
@@ -85,7 +99,7 @@ def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None
         config.rollout, consumer_batch_size=max(1, len(rows)), max_head_offpolicyness=10**6,
         max_concurrent_rollouts=max(1, len(rows)), queue_size=None,
     )  # fmt: skip
-    engine = make_remote_engine(config.allocation.gen_backend, eval_cfg)
+    engine = make_rollout_engine(config, eval_cfg, rank)
     engine.initialize()
     executor = WorkflowExecutor(eval_cfg, engine)
     executor.initialize(train_data_parallel_size=world)
@@ -155,7 +169,7 @@ class ServerRollouts:
         if config.mode == "rollout_only":  # the policy never changes: no staleness bound
             rollout_cfg = dataclasses.replace(rollout_cfg, max_head_offpolicyness=10**6)
         self.sync = rollout_cfg.max_head_offpolicyness == 0 and not config.actor.dynamic_sampling
-        engine = make_remote_engine(config.allocation.gen_backend, rollout_cfg)
+        engine = make_rollout_engine(config, rollout_cfg, rank)
         engine.initialize()
         self.executor = WorkflowExecutor(rollout_cfg, engine)
         self.executor.initialize(train_data_parallel_size=world)

@@ -37,6 +37,16 @@ def test_split_divides_the_cores_among_all_processes(tmp_path, eight_cores):
     assert trainer_env(cfg, [])["OMP_NUM_THREADS"] == "2"
 
 
+def test_colocated_generation_shares_a_ranks_cores_only_when_it_overlaps(tmp_path, eight_cores):
+    """eta >= 1: generation (a thread of the rank) runs beside training, each gets half the
+    rank's cores; eta 0: they alternate, so each gets all of them."""
+    cfg = config(tmp_path, "colocated+d2p1t1")
+    cfg.rollout.max_head_offpolicyness = 1
+    assert trainer_env(cfg, [])["OMP_NUM_THREADS"] == "2"
+    cfg.rollout.max_head_offpolicyness = 0
+    assert trainer_env(cfg, [])["OMP_NUM_THREADS"] == "4"
+
+
 def test_the_users_env_vars_win(tmp_path, eight_cores):
     cfg = config(tmp_path, "local.d1p1t1+d1p1t1")
     cfg.launcher.env_vars = ["OMP_NUM_THREADS=3"]

@@ -34,6 +34,17 @@ def test_eight_gpus_four_servers_four_ranks(tmp_path):
     assert plan.trainer == ("4", "5", "6", "7")  # ranks 0-3 on GPUs 4-7, none next to a server
 
 
+def test_colocated_generation_gives_every_gpu_to_the_trainer(tmp_path):
+    """colocated+d2: no server, so the plan is the trainer's alone; no weight push to pick."""
+    cfg = config(tmp_path, "colocated+d2p1t1", 2)
+    plan = plan_local(cfg, 2, None)
+    assert plan.servers == () and plan.trainer == ("0", "1")
+    check_resources(cfg)
+    cfg.weight_update = "distributed"
+    with pytest.raises(ConfigError, match="colocated generation has none"):
+        check_weight_update(cfg)
+
+
 def test_tensor_parallel_servers_take_whole_groups(tmp_path):
     plan = plan_local(config(tmp_path, "sglang.d2p1t2+d4p1t1", 8), 8, None)
     assert plan.servers == (("0", "1"), ("2", "3"))

@@ -311,7 +311,8 @@ class GRPOConfig(BaseExperimentConfig):
         if self.allocation.train_only:
             raise ConfigError(
                 f"allocation_mode={self.allocation_mode!r}: GRPO needs inference servers, e.g. "
-                "'local.d1p1t1+d1p1t1' (embedded), 'sglang.d2p1t1+d2p1t1' or 'vllm.d1p1t1+d1p1t1'"
+                "'local.d1p1t1+d1p1t1' (embedded), 'sglang.d2p1t1+d2p1t1' or 'vllm.d1p1t1+d1p1t1', "
+                "or generation in the trainer ranks: 'colocated+d1p1t1'"
             )
         if not self.actor.path:
             raise ConfigError("actor.path is required (an HF model directory or hub id)")

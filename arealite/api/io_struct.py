@@ -263,7 +263,8 @@ class ParallelStrategy:
         return cls(d, p, t)
 
 
-GEN_BACKENDS = ("sglang", "vllm", "local")
+GEN_BACKENDS = ("sglang", "vllm", "local")  # inference servers
+COLOCATED = "colocated"  # no server: the trainer ranks generate
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,8 @@ class AllocationMode:
     """Who runs where: `sglang.d2p1t1+d2p1t1` = 2 SGLang servers (TP 1) + 2 FSDP ranks.
 
     Backends: `sglang` (SGLang servers), `vllm` (vLLM servers), `local` (our embedded server).
+    `colocated+d2p1t1`: no server; each trainer rank generates with its own copy of the policy
+    in its own process, between updates (one device, no second set of cores to lend).
     A bare `d2p1t1` means training only (SFT). Pipeline parallelism is not used by the FSDP
     trainer, so its `p` must be 1.
     """
@@ -293,8 +296,13 @@ class AllocationMode:
         return self.train.world_size
 
     @property
+    def colocated(self) -> bool:
+        """Generation inside the trainer ranks (arealite/server/colocated.py): no servers."""
+        return self.gen_backend == COLOCATED
+
+    @property
     def train_only(self) -> bool:
-        return self.gen is None
+        return self.gen is None and not self.colocated
 
     @classmethod
     def from_str(cls, s: str) -> AllocationMode:
@@ -307,11 +315,19 @@ class AllocationMode:
                 )
             return cls(None, None, cls._train_part(s, s))
         gen_part, _, train_part = s.partition("+")
+        if gen_part == COLOCATED:
+            return cls(COLOCATED, None, cls._train_part(train_part, s))
         backend, dot, gen_str = gen_part.partition(".")
+        if backend == COLOCATED:
+            raise ValueError(
+                f"Bad allocation mode {s!r}: colocated generation runs in the trainer ranks and "
+                f"takes no parallel strategy of its own: '{COLOCATED}+{train_part}'"
+            )
         if not dot:
             raise ValueError(
                 f"Bad allocation mode {s!r}: the generation part {gen_part!r} must name a backend, "
-                f"one of {', '.join(GEN_BACKENDS)} (e.g. 'sglang.d2p1t1+d2p1t1')"
+                f"one of {', '.join(GEN_BACKENDS)} (e.g. 'sglang.d2p1t1+d2p1t1'), or be "
+                f"'{COLOCATED}' (e.g. '{COLOCATED}+d1p1t1')"
             )
         if backend not in GEN_BACKENDS:
             raise ValueError(

@@ -206,19 +206,31 @@ class FSDPEngine(BaseHFEngine):
         else:
             raise ValueError(f"unknown weight update type {meta.type!r}")
 
+    def full_weight_buckets(self, bucket_size_mb: int | None = None) -> Iterator[dict]:
+        """The full weights under their checkpoint names, one bucket at a time, on every rank
+        and on the trainer's device (a collective: every rank iterates; one rank: views of the
+        live parameters, no copy). A LoRA model's come as one bucket, merged (W + BA)."""
+        self._require_model()
+        buckets = plan_buckets(self.model, self._bucket_bytes(bucket_size_mb))
+        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=False)
+        if self.config.lora is not None:  # A, B and W may sit in different buckets
+            yield merge_lora_weights({k: v for b in gathered for k, v in b.items()},
+                                     self.config.lora)  # fmt: skip
+            return
+        for bucket in gathered:
+            yield _to_original_names(self.model, bucket)
+
     @contextmanager
     def weight_handles(self, bucket_size_mb: int | None = None) -> Iterator[list[str]]:
         """Rank 0: one payload per bucket of full weights (`arealite.utils.tensor_handles`)
         for servers on this machine's devices to open, valid until the block ends (one rank:
         views of the live parameters, no copy). Other ranks take part in the gathers, get []."""
-        self._require_model()
         if self.config.lora is not None:
             raise ValueError("LoRA weights sync through disk (merged) only: weight_update=disk")
         held = []
-        buckets = plan_buckets(self.model, self._bucket_bytes(bucket_size_mb))
-        for bucket in iter_full_buckets(buckets, device=self.device, to_cpu=False):
+        for bucket in self.full_weight_buckets(bucket_size_mb):
             if du.is_main():
-                held.append(list(_to_original_names(self.model, bucket).items()))
+                held.append(list(bucket.items()))
         if held and self.device.type == "cuda":
             torch.cuda.synchronize()  # the last optimizer step's writes land first
         payloads = [serialize_named_tensors(named) for named in held]

@@ -284,6 +284,11 @@ def check_weight_update(config) -> None:
     mode = getattr(config, "weight_update", "disk")
     if mode == "disk":
         return
+    if config.allocation.colocated:
+        raise ConfigError(
+            f"weight_update={mode} pushes weights to inference servers; colocated generation "
+            "has none (every rank copies its weights in memory): leave weight_update at disk"
+        )
     if config.allocation.gen_backend == "vllm":
         raise ConfigError(
             f"weight_update={mode} needs SGLang's weight endpoints (sglang or the embedded "

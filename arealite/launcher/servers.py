@@ -26,9 +26,14 @@ SERVER_API_KEY_ENV = "AREAL_SERVER_API_KEY"
 
 
 def needs_servers(config) -> bool:
-    """Whether the run starts inference servers: not for a train-only allocation (SFT), nor for
-    GRPO's `mode: train_only` (it trains on a recording, docs/guide.md)."""
-    return not config.allocation.train_only and getattr(config, "mode", "train") != "train_only"
+    """Whether the run starts inference servers: not for a train-only allocation (SFT), nor a
+    colocated one (the trainer ranks generate), nor GRPO's `mode: train_only` (it trains on a
+    recording, docs/guide.md)."""
+    alloc = config.allocation
+    return (
+        not (alloc.train_only or alloc.colocated)
+        and getattr(config, "mode", "train") != "train_only"
+    )
 
 
 def share_server_api_key(config) -> None:

@@ -12,6 +12,9 @@ Three transports (GRPOConfig.weight_update):
   reverse: the servers' side must already be waiting in the group's rendezvous when trainer
   rank 0 joins it, or rank 0 blocks hosting a store nobody connects to.
 
+Colocated generation (`allocation_mode: colocated+...`) needs none of them: every rank copies
+the gathered weights into its own in-process generator (ColocatedEngine.load_weights).
+
 `WeightSync.push` does either in the right order, so a training script never orders the two
 sides itself. Every trainer rank calls it (the upload gathers shards collectively).
 """
@@ -50,7 +53,9 @@ class WeightSync:
         wait meanwhile; `followers` (e.g. evaluation clients) then expect that version."""
         self.executor.pause()
         try:
-            if self.mode == "disk":
+            if getattr(self.rollout, "in_process", False):  # colocated: each rank its own copy
+                self.rollout.load_weights(self.actor.full_weight_buckets(), version)
+            elif self.mode == "disk":
                 self._push_disk(version)
             elif self.mode == "tensor":
                 self._push_tensor(version)

@@ -1,0 +1,131 @@
+"""Colocated generation (arealite/server/colocated.py): the trainer ranks generate in process.
+
+In process: the engine's tokens and logprobs are the model's own (teacher-forced HF forward),
+in-memory weight loads change them and tag the tokens, a pause holds and resumes a group, and
+a bad request fails naming its rid. Through the launcher: GRPO on two gloo ranks with no server
+process, each rank's generator loaded from the trainer after every step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arealite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+from arealite.api.io_struct import ModelRequest
+from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[5, 9, 13, 2, 7], [11, 4, 4, 8], [3, 17, 6, 21, 9, 1], [5, 9, 13, 2, 7]]
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    gen = ColocatedGenerator.shared(tiny_model_dir, "float32", torch.device("cpu"), 0, 64)
+    eng = ColocatedEngine(InferenceEngineConfig(), gen)
+    yield eng
+    eng.destroy()
+    assert not ColocatedGenerator._shared  # the last user stopped the scheduler
+
+
+def requests_for(prompts, max_new_tokens=6, greedy=True):
+    g = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens, greedy=greedy,
+                                  temperature=0.0 if greedy else 1.0)  # fmt: skip
+    return [ModelRequest(input_ids=p, gconfig=g) for p in prompts]
+
+
+def teacher_forced(model_dir: str, prompt: list[int], out: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out])
+    with torch.no_grad():
+        logp = model(ids).logits[0].log_softmax(-1)
+    return logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None])[:, 0]
+
+
+def test_a_group_is_the_models_own_tokens_and_logprobs(engine, tiny_model_dir):
+    outs = asyncio.run(engine.agenerate_group(requests_for(PROMPTS)))
+    assert [o.input_tokens for o in outs] == PROMPTS
+    assert outs[0].output_tokens == outs[3].output_tokens  # greedy: same prompt, same answer
+    for p, o in zip(PROMPTS, outs):
+        assert 1 <= o.output_len <= 6 and o.output_versions == [0] * o.output_len
+        ref = teacher_forced(tiny_model_dir, p, o.output_tokens)
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_weights_loaded_in_memory_are_served_and_tagged(engine, tiny_model_dir_v2):
+    """The v2 model's tensors, as a trainer hands them over (buckets of checkpoint names)."""
+    v2 = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v2, dtype=torch.float32)
+    state = v2.state_dict()
+    names = list(state)
+    engine.load_weights([{n: state[n] for n in names[:3]}, {n: state[n] for n in names[3:]}], 7)
+    assert engine.weight_version == 7
+    (out,) = asyncio.run(engine.agenerate_group(requests_for(PROMPTS[:1])))
+    assert out.output_versions == [7] * out.output_len
+    ref = teacher_forced(tiny_model_dir_v2, PROMPTS[0], out.output_tokens)
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_a_paused_group_resumes_with_its_whole_budget(engine):
+    """Held while paused, then decoded to its full budget once generation continues (ignore_eos:
+    the budget, not an end token, ends it)."""
+    reqs = requests_for(PROMPTS[:2], max_new_tokens=24, greedy=False)
+    for r in reqs:
+        r.gconfig = r.gconfig.new(ignore_eos=True)
+    engine.pause_generation()
+    result: list = []
+    t = threading.Thread(target=lambda: result.extend(asyncio.run(engine.agenerate_group(reqs))))
+    t.start()
+    time.sleep(0.5)
+    assert not result  # held
+    engine.continue_generation()
+    t.join(60)
+    assert [o.output_len for o in result] == [24, 24]
+    assert all(len(o.output_logprobs) == 24 and o.stop_reason == "length" for o in result)
+
+
+def test_a_bad_request_names_its_rid_and_the_engine_goes_on(engine):
+    bad = requests_for([[5, 10**6]])[0]
+    with pytest.raises(ValueError, match=bad.rid):
+        asyncio.run(engine.agenerate_group([bad]))
+    (ok,) = asyncio.run(engine.agenerate_group(requests_for(PROMPTS[:1])))
+    assert ok.output_len >= 1
+
+
+@pytest.mark.integration
+def test_grpo_on_two_ranks_without_a_server(tmp_path, tiny_model_dir):
+    """Synchronous GRPO (eta = 0), 2 torchrun ranks, `colocated+d2p1t1`: no server process,
+    each rank's generator serves exactly the trainer's weights after every update (fp32 both:
+    behaviour logprobs equal the trainer's), tagged with their version; evaluation shares it."""
+    run = tmp_path / "colo" / "t"
+    args = [
+        f"cluster.fileroot={tmp_path}", "experiment_name=colo", "trial_name=t",
+        f"actor.path={tiny_model_dir}", "total_train_steps=3", "allocation_mode=colocated+d2p1t1",
+        "rollout.max_head_offpolicyness=0", "actor.dynamic_sampling=false",
+        "train_dataset.batch_size=4", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
+        "valid_dataset.options.size=8", "evaluator.freq_steps=2",
+        "actor.fsdp.param_dtype=float32", "server.dtype=float32",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
+           "--config", "examples/configs/arith_grpo.yaml", *args]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:  # steps 1 and 2 train on tokens of the weights loaded in memory
+        assert r["staleness_max"] == 0 and r["behave_logp_absdiff_max"] < 1e-3, r
+    assert "eval/accuracy" in records[-1]
+    assert sorted(os.listdir(run / "logs")) == ["trainer.log"]  # no server was started
+    versions = set()
+    for name in os.listdir(run / "rollouts"):
+        if name.startswith("rollouts_v"):
+            for line in (run / "rollouts" / name).read_text().splitlines():
+                versions |= set(json.loads(line)["output_versions"])
+    assert versions == {0, 1, 2}, versions
