@@ -17,10 +17,13 @@ import time
 
 import pytest
 import torch
+from _torchrun_fsdp import engine_config, make_batch
 from transformers import AutoModelForCausalLM
 
-from arealite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
-from arealite.api.io_struct import ModelRequest
+from arealite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, OptimizerConfig
+from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
+from arealite.api.lora_config import LoRAConfig
+from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +74,24 @@ def test_weights_loaded_in_memory_are_served_and_tagged(engine, tiny_model_dir_v
     assert out.output_versions == [7] * out.output_len
     ref = teacher_forced(tiny_model_dir_v2, PROMPTS[0], out.output_tokens)
     torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_a_lora_trainers_weights_arrive_merged(engine, build_engine, tmp_path):
+    """What WeightSync hands a colocated generator from a LoRA actor (W + BA, base names)
+    serves exactly what the merged HF export computes."""
+    pytest.importorskip("peft")
+    cfg = engine_config(engine.generator.runner.model_path, optimizer=OptimizerConfig(lr=1e-2),
+                        lora=LoRAConfig(rank=4, alpha=8.0))  # fmt: skip
+    actor = build_engine(FSDPLMEngine, cfg)
+    for seed in range(3):
+        actor.train_lm(make_batch(n=4, seed=seed))
+    actor.upload_weights(WeightUpdateMeta.from_disk(str(tmp_path / "merged"), version=1))
+    engine.load_weights(actor.full_weight_buckets(), 1)
+    (out,) = asyncio.run(engine.agenerate_group(requests_for(PROMPTS[:1])))
+    ref = teacher_forced(str(tmp_path / "merged"), PROMPTS[0], out.output_tokens)
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
+    base = teacher_forced(cfg.path, PROMPTS[0], out.output_tokens)
+    assert (ref - base).abs().max() > 1e-3  # the adapters moved the model
 
 
 def test_a_paused_group_resumes_with_its_whole_budget(engine):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -104,6 +105,45 @@ class ModelResponse:
     @property
     def output_len(self) -> int:
         return len(self.output_tokens)
+
+
+@dataclass
+class PartialResponse:
+    """What one request has generated so far, across the calls a pause or a weight update cut
+    it into (an aborted call's tokens are kept and the rest is asked for as prompt + them)."""
+
+    req: ModelRequest
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop_reason: str = "length"
+    ttft: float = float("inf")
+    finished: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished or len(self.tokens) >= self.req.gconfig.max_new_tokens
+
+    def extend(self, tokens, logprobs, versions, finish: str, start: float) -> None:
+        """One call's answer (`finish` "abort" leaves the request pending)."""
+        if tokens and self.ttft == float("inf"):
+            self.ttft = time.perf_counter() - start
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.versions += versions
+        if finish != "abort":
+            self.stop_reason, self.finished = finish, True
+
+    def response(self, start: float) -> ModelResponse:
+        return ModelResponse(
+            input_tokens=list(self.req.input_ids),
+            output_tokens=self.tokens,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            stop_reason=self.stop_reason,  # type: ignore[arg-type]
+            latency=time.perf_counter() - start,
+            ttft=self.ttft,
+        )
 
 
 class ParamSpec(NamedTuple):

@@ -73,14 +73,8 @@ class FSDPEngine(BaseHFEngine):
         model = load_hf_model(self.config)
         if self.config.lora is not None:  # adapters first: FSDP2 then wraps the PEFT model
             model = apply_lora(model, self.config.lora)
-        self.model = apply_fsdp2(
-            model,
-            self.mesh,
-            fs.param_dtype,
-            fs.reduce_dtype,
-            fs.offload_params,
-            fs.reshard_after_forward,
-        )
+        self.model = apply_fsdp2(model, self.mesh, fs.param_dtype, fs.reduce_dtype,
+                                 fs.offload_params, fs.reshard_after_forward)  # fmt: skip
         if self.config.optimizer is not None:
             self.optimizer, self.lr_scheduler = build_optimizer(
                 self.model, self.config.optimizer, ft_spec
@@ -211,14 +205,8 @@ class FSDPEngine(BaseHFEngine):
         and on the trainer's device (a collective: every rank iterates; one rank: views of the
         live parameters, no copy). A LoRA model's come as one bucket, merged (W + BA)."""
         self._require_model()
-        buckets = plan_buckets(self.model, self._bucket_bytes(bucket_size_mb))
-        gathered = iter_full_buckets(buckets, device=self.device, to_cpu=False)
-        if self.config.lora is not None:  # A, B and W may sit in different buckets
-            yield merge_lora_weights({k: v for b in gathered for k, v in b.items()},
-                                     self.config.lora)  # fmt: skip
-            return
-        for bucket in gathered:
-            yield _to_original_names(self.model, bucket)
+        bucket_bytes = self._bucket_bytes(bucket_size_mb)
+        return checkpoint_buckets(self.model, self.config.lora, self.device, bucket_bytes)
 
     @contextmanager
     def weight_handles(self, bucket_size_mb: int | None = None) -> Iterator[list[str]]:
@@ -300,6 +288,17 @@ class FSDPEngine(BaseHFEngine):
             meta.nccl_group_name,
         )
         self._weight_group = (key, group)
+
+
+def checkpoint_buckets(model, lora, device, bucket_bytes: int) -> Iterator[dict]:
+    """FSDPEngine.full_weight_buckets: gather bucket by bucket, rename to checkpoint names;
+    LoRA: everything first (A, B and W may sit in different buckets), then merge."""
+    gathered = iter_full_buckets(plan_buckets(model, bucket_bytes), device=device, to_cpu=False)
+    if lora is not None:
+        yield merge_lora_weights({k: v for b in gathered for k, v in b.items()}, lora)
+        return
+    for bucket in gathered:
+        yield _to_original_names(model, bucket)
 
 
 def _to_original_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

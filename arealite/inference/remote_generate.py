@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from arealite.api.cli_args import InferenceEngineConfig
-from arealite.api.io_struct import ModelRequest, ModelResponse
+from arealite.api.io_struct import ModelRequest, ModelResponse, PartialResponse
 from arealite.inference.remote_weights import WeightUpdates
 from arealite.inference.server_pool import ServerPool
 
@@ -55,37 +55,22 @@ class GenerateClient(Protocol):
 
 
 @dataclass
-class Progress:
+class Progress(PartialResponse):
     """What one request has generated so far, across the answers of its resumed calls."""
 
-    req: ModelRequest
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stop_reason: str = "length"
-    ttft: float = float("inf")
     idle_aborts: int = 0  # aborts in a row without a token while no weight update ran
-    finished: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.finished or len(self.tokens) >= self.req.gconfig.max_new_tokens
 
     def add(self, c: GenerateClient, chunk: GenerateChunk, start: float) -> bool:
         """Append one answer; an abort leaves the request pending (resumed by the caller).
         True for an abort without a token while no weight update ran (the caller backs off)."""
-        if chunk.output_tokens and self.ttft == float("inf"):
-            self.ttft = time.perf_counter() - start
         v = chunk.version if chunk.version is not None else c.weights.version
         c.weights.saw_version(v)
-        self.tokens += chunk.output_tokens
-        self.logprobs += chunk.output_logprobs
         if chunk.token_versions is None:
-            self.versions += [v] * len(chunk.output_tokens)
+            versions = [v] * len(chunk.output_tokens)
         else:
-            self.versions += [v if t is None else t for t in chunk.token_versions]
+            versions = [v if t is None else t for t in chunk.token_versions]
+        self.extend(chunk.output_tokens, chunk.output_logprobs, versions, chunk.finish, start)
         if chunk.finish != "abort":
-            self.stop_reason, self.finished = chunk.finish, True
             return False
         c.counters["aborted_chunks"] += 1
         # Only aborts we did not cause (no weight update under way) count as suspicious.
@@ -95,17 +80,6 @@ class Progress:
             self.idle_aborts += 1
             return True
         return False
-
-    def response(self, start: float) -> ModelResponse:
-        return ModelResponse(
-            input_tokens=list(self.req.input_ids),
-            output_tokens=self.tokens,
-            output_logprobs=self.logprobs,
-            output_versions=self.versions,
-            stop_reason=self.stop_reason,  # type: ignore[arg-type]
-            latency=time.perf_counter() - start,
-            ttft=self.ttft,
-        )
 
 
 async def generate_resumable(c: GenerateClient, req: ModelRequest) -> ModelResponse:

@@ -17,13 +17,12 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from arealite.api.engine_api import InferenceEngine
-from arealite.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
+from arealite.api.io_struct import ModelRequest, ModelResponse, PartialResponse, WeightUpdateMeta
 from arealite.server.model_runner import ModelRunner, Sequence
 from arealite.server.protocol import BadRequest, parse_generate_request
 from arealite.server.scheduler import Scheduler
@@ -80,39 +79,6 @@ class ColocatedGenerator:
         self.scheduler.run_exclusive(job).result()
 
 
-@dataclass
-class _Progress:
-    """One request's tokens so far, across the rounds a pause cut it into."""
-
-    req: ModelRequest
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stop_reason: str = ""
-
-    @property
-    def done(self) -> bool:
-        return bool(self.stop_reason) or len(self.tokens) >= self.req.gconfig.max_new_tokens
-
-    def add(self, seq: Sequence) -> None:
-        self.tokens += seq.output_ids
-        self.logprobs += seq.output_logprobs
-        self.versions += [seq.weight_version] * len(seq.output_ids)
-        kind = (seq.finish_reason or {}).get("type", "abort")
-        if kind != "abort":
-            self.stop_reason = kind
-
-    def response(self, start: float) -> ModelResponse:
-        return ModelResponse(
-            input_tokens=list(self.req.input_ids),
-            output_tokens=self.tokens,
-            output_logprobs=self.logprobs,
-            output_versions=self.versions,
-            stop_reason=self.stop_reason or "length",  # type: ignore[arg-type]
-            latency=time.perf_counter() - start,
-        )
-
-
 class ColocatedEngine(InferenceEngine):
     """An InferenceEngine on this process's ColocatedGenerator. `in_process`: WeightSync
     loads the actor's weights with `load_weights` on every rank instead of pushing to servers."""
@@ -155,7 +121,7 @@ class ColocatedEngine(InferenceEngine):
         """The requests decoded together (a GRPO group is admitted in one step, its shared
         prompt prefilled once); a pause aborts them and they resume as prompt + tokens so far."""
         start = time.perf_counter()
-        progress = [_Progress(r) for r in reqs]
+        progress = [PartialResponse(r) for r in reqs]
         while todo := [p for p in progress if not p.done]:
             while not self._allowed.is_set():
                 await asyncio.sleep(0.01)
@@ -168,10 +134,12 @@ class ColocatedEngine(InferenceEngine):
                     self.generator.scheduler.abort_sequence(seq)
                 raise
             for p, seq in zip(todo, seqs):
-                p.add(seq)
+                finish = (seq.finish_reason or {}).get("type", "abort")
+                versions = [seq.weight_version] * len(seq.output_ids)
+                p.extend(seq.output_ids, seq.output_logprobs, versions, finish, start)
         return [p.response(start) for p in progress]
 
-    def _sequence(self, p: _Progress) -> Sequence:
+    def _sequence(self, p: PartialResponse) -> Sequence:
         """The embedded server's request for what `p` has left to generate, checked as the
         server checks a JSON body (so a bad request fails the same way, naming its rid)."""
         req, runner = p.req, self.generator.runner
