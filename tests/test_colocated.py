@@ -8,16 +8,14 @@ process, each rank's generator loaded from the trainer after every step."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 from _torchrun_fsdp import engine_config, make_batch
+from test_weight_sync import metrics_and_versions, run_arith_grpo
 from transformers import AutoModelForCausalLM
 
 from arealite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, OptimizerConfig
@@ -26,7 +24,6 @@ from arealite.api.lora_config import LoRAConfig
 from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 9, 13, 2, 7], [11, 4, 4, 8], [3, 17, 6, 21, 9, 1], [5, 9, 13, 2, 7]]
 
 
@@ -134,19 +131,11 @@ def test_grpo_on_two_ranks_without_a_server(tmp_path, tiny_model_dir):
         "valid_dataset.options.size=8", "evaluator.freq_steps=2",
         "actor.fsdp.param_dtype=float32", "server.dtype=float32",
     ]  # fmt: skip
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
-           "--config", "examples/configs/arith_grpo.yaml", *args]  # fmt: skip
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    run_arith_grpo(args)
+    records, versions = metrics_and_versions(run)
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:  # steps 1 and 2 train on tokens of the weights loaded in memory
         assert r["staleness_max"] == 0 and r["behave_logp_absdiff_max"] < 1e-3, r
     assert "eval/accuracy" in records[-1]
     assert sorted(os.listdir(run / "logs")) == ["trainer.log"]  # no server was started
-    versions = set()
-    for name in os.listdir(run / "rollouts"):
-        if name.startswith("rollouts_v"):
-            for line in (run / "rollouts" / name).read_text().splitlines():
-                versions |= set(json.loads(line)["output_versions"])
     assert versions == {0, 1, 2}, versions
