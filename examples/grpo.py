@@ -185,6 +185,8 @@ class ServerRollouts:
             self.group_filter = InformativeGroupFilter(
                 config.train_dataset.batch_size // world,
                 config.actor.dynamic_sampling_max_oversample,
+                skip_max_prob=config.actor.dynamic_sampling_skip_max_prob,
+                seed=config.seed + rank,
             )
         # The iterator starts at the first batch: after recover.load() restored the loader's
         # position (an iterator made earlier would start the epoch again).

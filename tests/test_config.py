@@ -73,11 +73,19 @@ def test_missing_required_key():
         ("actor.kl_ctl=0.1", "ref.path"),
         ("actor.c_clip=0.5", "c_clip"),
         ("actor.optimizer.lr_scheduler_type=exp", "lr_scheduler_type"),
+        ("actor.dynamic_sampling_skip_max_prob=0.5", "needs actor.dynamic_sampling=true"),
     ],
 )
 def test_impossible_combinations(grpo_yaml, override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
         load_expr_config(["--config", grpo_yaml, override], GRPOConfig)
+
+
+def test_a_skip_probability_of_one_is_refused(grpo_yaml):
+    """Probability 1 would skip a solved prompt forever, even once the policy fails it again."""
+    args = ["actor.dynamic_sampling=true", "actor.dynamic_sampling_skip_max_prob=1"]
+    with pytest.raises(ConfigError, match=r"dynamic_sampling_skip_max_prob must be in \[0, 1\)"):
+        load_expr_config(["--config", grpo_yaml, *args], GRPOConfig)
 
 
 def test_derived_keys_follow_the_users_key(grpo_yaml):

@@ -222,6 +222,39 @@ def test_equal_reward_groups_are_replaced_within_the_cap(engine_factory, max_ove
     assert executor.stats()["accepted"] - executor.stats()["ready"] == 6
 
 
+class SolvedOrMixedGroup(RewardedGroup):
+    """Even ids: both rows earn 1 (solved); odd ids: 1 and 0."""
+
+    async def arun_episode(self, engine, data):
+        two = await super().arun_episode(engine, data)
+        two["rewards"] = torch.tensor([1.0, float(data["id"] % 2 == 0)])
+        return two
+
+
+def test_prompts_whose_groups_keep_being_solved_are_skipped_before_generation(engine_factory):
+    """The filter as a GroupFilter: it sees each item, learns which prompts keep being solved
+    (even ids here) and skips most of their later rows before they start. Skipped rows never
+    reach the engine or the staleness counters, and need no replay on recovery."""
+    executor = engine_factory(consumer_batch_size=2, max_head_offpolicyness=0)
+    rows = [{"id": i, "messages": f"prompt {i % 4}"} for i in range(400)]  # 4 prompts, repeated
+    loader = DataLoader(rows, batch_size=2, collate_fn=lambda x: x)
+    group_filter = InformativeGroupFilter(batch_size=2, max_oversample=3.0, skip_max_prob=0.9)
+    skipped = 0
+    for step in range(20):
+        batch = executor.prepare_batch(loader, SolvedOrMixedGroup(), group_filter)
+        assert all(i % 2 == 1 for i in batch["item"][::2].tolist())
+        skipped += group_filter.take_stats()["rollout/groups_skipped"]
+        executor.set_version(step + 1)
+    executor.pause()  # let the running episodes finish: the counters are then still
+    deadline = time.monotonic() + 60
+    while executor.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = executor.stats()
+    assert skipped > 0 and s["rejected"] < skipped  # most even rows were never generated
+    # Replay after a restart covers exactly the rows queued or finished but not trained on.
+    assert executor.feed.pending() == s["queued"] + s["ready"]
+
+
 def test_refused_groups_are_replaced_at_once_not_on_the_next_poll(engine_factory, monkeypatch):
     """Each refusal starts a queued item, and prepare_batch tops the queue up as soon as it
     runs low: with the poll interval made 2 minutes, a batch behind 12 refused items (6 top-

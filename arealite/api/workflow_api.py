@@ -7,7 +7,7 @@ runs many of them in the background under the staleness bound.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -43,3 +43,16 @@ class RolloutError(RuntimeError):
         self.data = data
         self.workflow = workflow
         self.__cause__ = cause
+
+
+@runtime_checkable
+class GroupFilter(Protocol):
+    """A `should_accept` that also sees the data item, and may skip an item before it is
+    generated (e.g. a prompt whose recent groups all had equal rewards): what
+    `WorkflowExecutor.prepare_batch` accepts beside a plain `(group) -> bool`."""
+
+    def should_start(self, data: Any) -> bool:
+        """False: skip `data` (no episode; the executor pulls another item in its place)."""
+
+    def should_accept(self, data: Any, group: TensorDict) -> bool:
+        """Whether the finished group of `data` goes to the trainer."""

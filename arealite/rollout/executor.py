@@ -15,6 +15,7 @@ recovery replays pulled-but-untrained dataloader items (replay.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import time
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict
 
-from arealite.api.workflow_api import RolloutWorkflow
+from arealite.api.workflow_api import GroupFilter, RolloutWorkflow
 from arealite.rollout.episode_loop import POLL_S, EpisodeLoop
 from arealite.rollout.episodes import Episode, EpisodeBook, Group
 from arealite.rollout.replay import DataloaderFeed
@@ -217,11 +218,13 @@ class WorkflowExecutor:
         self,
         dataloader: Any,
         workflow: RolloutWorkflow,
-        should_accept: Callable[[TensorDict], bool] | None = None,
+        should_accept: Callable[[TensorDict], bool] | GroupFilter | None = None,
     ) -> TensorDict:
         """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
         episodes (so generation never waits for the trainer), and return the next
-        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end."""
+        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end. A
+        `GroupFilter` also sees each item, and the items it skips never start (done for
+        recovery, replaced by the next ones)."""
         batch_size = getattr(dataloader, "batch_size", None)
         if not batch_size:
             raise ValueError("prepare_batch needs a dataloader with a batch_size")
@@ -233,7 +236,13 @@ class WorkflowExecutor:
         while True:
             while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
-                    self._submit(Episode(item, workflow, should_accept, cursor=cursor))
+                    accept = should_accept
+                    if isinstance(should_accept, GroupFilter):
+                        if not should_accept.should_start(item):
+                            self.feed.mark_done(cursor)
+                            continue
+                        accept = functools.partial(should_accept.should_accept, item)
+                    self._submit(Episode(item, workflow, accept, cursor=cursor))
             batch = self._await_results(batch_size, timeout=None, refill_below=batch_size)
             if batch is not None:
                 return batch
