@@ -73,7 +73,6 @@ def test_missing_required_key():
         ("actor.kl_ctl=0.1", "ref.path"),
         ("actor.c_clip=0.5", "c_clip"),
         ("actor.optimizer.lr_scheduler_type=exp", "lr_scheduler_type"),
-        ("actor.dynamic_sampling_skip_max_prob=0.5", "needs actor.dynamic_sampling=true"),
     ],
 )
 def test_impossible_combinations(grpo_yaml, override, needle):

@@ -210,7 +210,8 @@ class PPOActorConfig(TrainEngineConfig):
         metadata=_help(
             "Skip a prompt before generating it with probability min(this, 1 - 2^-k), k = its "
             "latest groups in a row solved (all samples at the best reward; GRESO's pre-rollout "
-            "filter, all-wrong prompts kept); 0 = off."
+            "filter, all-wrong prompts kept); 0 = off. Only with dynamic_sampling, whose "
+            "verdicts it learns from."
         ),
     )
 
@@ -225,11 +226,6 @@ class PPOActorConfig(TrainEngineConfig):
         require(over >= 1, "actor.dynamic_sampling_max_oversample", over, ">= 1 (1 = never drop)")
         skip = self.dynamic_sampling_skip_max_prob
         require(0 <= skip < 1, "actor.dynamic_sampling_skip_max_prob", skip, "in [0, 1)")
-        if skip and not self.dynamic_sampling:
-            raise ConfigError(
-                "actor.dynamic_sampling_skip_max_prob > 0 needs actor.dynamic_sampling=true "
-                "(the skip learns from the groups dynamic sampling judges)"
-            )
         if self.use_decoupled_loss and not self.recompute_logprob:
             raise ConfigError(
                 "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "
