@@ -48,7 +48,7 @@ class RolloutError(RuntimeError):
 @runtime_checkable
 class GroupFilter(Protocol):
     """A `should_accept` that also sees the data item, and may skip an item before it is
-    generated (e.g. a prompt whose recent groups all had equal rewards): what
+    generated (e.g. a prompt its recent groups all solved): what
     `WorkflowExecutor.prepare_batch` accepts beside a plain `(group) -> bool`."""
 
     def should_start(self, data: Any) -> bool:
