@@ -9,7 +9,7 @@ import torch
 from _torchrun_fsdp import VOCAB, engine_config
 
 from arealite.api.cli_args import ACTOR_PRESETS, OptimizerConfig, PPOActorConfig, PPOCriticConfig
-from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.engine.ppo.actor import FSDPPPOActor, rows_with_loss
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.utils.data import pad_sequences_to_tensors
 
@@ -204,6 +204,39 @@ def test_several_minibatches_recompute_the_proximal_policy_first(make_actor):
     stats = actor.ppo_update(batch)
     torch.testing.assert_close(batch["prox_logp"], before, rtol=0, atol=0)
     assert stats["n_minibatches"] == 2 and stats["behave_kl_k1"] == pytest.approx(0, abs=1e-6)
+
+
+def test_rows_without_loss_tokens_are_left_out_of_the_update(make_actor):
+    """Groups dynamic sampling zeroed cost no forward or backward: the update equals the one on
+    the batch without them (the loss is normalised by loss tokens)."""
+    kw = dict(group_size=2, dynamic_sampling=True, use_decoupled_loss=True)
+    full_actor, kept_actor = make_actor(**kw), make_actor(**kw)
+    full = rl_batch([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0], seed=7)
+    full["logprobs"] = (full_actor.compute_logp(full) - 0.05) * full["loss_mask"]
+    kept = full[torch.tensor([0, 1, 4, 5])].clone()
+    full_actor.compute_advantages(full)
+    kept_actor.compute_advantages(kept)
+    full_actor.set_version(1), kept_actor.set_version(1)
+    got, want = full_actor.ppo_update(full), kept_actor.ppo_update(kept)
+    assert got["trained_seqs_frac"] == 0.5 and want["trained_seqs_frac"] == 1.0
+    assert got["n_seqs"] == 8 and got["n_tokens"] == want["n_tokens"]
+    for key in ("loss", "grad_norm", "behave_kl_k1", "staleness", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    for a, b in zip(full_actor.model.parameters(), kept_actor.model.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-6, atol=1e-7)
+
+
+def test_rows_with_loss_keeps_order_and_a_floor():
+    batch = rl_batch([1.0] * 5)
+    batch["loss_mask"][torch.tensor([0, 2, 3])] = 0
+    assert rows_with_loss(batch)["input_ids"].tolist() == batch["input_ids"][[1, 4]].tolist()
+    assert rows_with_loss(batch, min_rows=3)["input_ids"].tolist() == (
+        batch["input_ids"][[0, 1, 4]].tolist()  # zero-loss rows in order fill the floor
+    )
+    batch["loss_mask"][:] = 0
+    assert rows_with_loss(batch, min_rows=2).batch_size[0] == 2
+    full = rl_batch([1.0, 0.0])
+    assert rows_with_loss(full) is full
 
 
 def test_reference_and_critic(make_actor, tiny_model_dir):

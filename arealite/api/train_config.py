@@ -202,7 +202,7 @@ class PPOActorConfig(TrainEngineConfig):
         default=3.0,
         metadata=_help(
             "Cap: at most (this - 1) x batch groups dropped per step; past it equal-reward "
-            "groups are trained on (their loss mask zeroed) and counted."
+            "groups are accepted, counted, and left out of the update (loss mask zeroed)."
         ),
     )
     dynamic_sampling_skip_max_prob: float = field(

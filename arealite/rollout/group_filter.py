@@ -7,8 +7,8 @@ mask (the old `actor.dynamic_sampling`) shrinks the batch instead of refilling i
 executor's `should_accept`, a refused group frees its slot and `prepare_batch` starts another
 data item in its place; staleness stays exact because only accepted episodes count against the
 bound (docs/design.md, "Asynchrony and staleness"). Over-sampling is bounded: after
-`max_dropped` refusals since the last batch the filter accepts what comes (the actor's loss mask
-still zeroes those groups), so a task the policy always solves or always fails cannot stall the
+`max_dropped` refusals since the last batch the filter accepts what comes (the actor zeroes
+those groups' loss mask and leaves them out of its forward and backward), so a task the policy always solves or always fails cannot stall the
 run. Counters go to the metrics as `rollout/groups_*`.
 
 Refusing a group after generating it still costs its generation: late in a run most groups are

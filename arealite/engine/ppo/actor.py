@@ -204,11 +204,15 @@ class PPOActor:
             )
             error = KeyError(f"ppo_update: batch has no {missing[0]!r} ({hint})")
         du.raise_if_any_rank_failed(error)
+        n_seqs = du.all_reduce_sum([float(data.batch_size[0])])[0]
+        data = rows_with_loss(data, min_rows=cfg.ppo_n_minibatches)
         fuse_prox = needs_prox and "prox_logp" not in data.keys()
         if fuse_prox and cfg.ppo_n_minibatches > 1:
             data["prox_logp"] = self.compute_logp(data)
             fuse_prox = False
-        stats = batch_stats(data, self.engine.get_version())
+        stats = batch_stats(data, self.engine.get_version())  # over loss tokens: none dropped
+        stats["trained_seqs_frac"] = stats["n_seqs"] / max(n_seqs, 1.0)
+        stats["n_seqs"] = n_seqs
         acc = new_accumulator()
         loss_fn = self._make_loss_fn(acc, fuse_prox)
         step_stats = []
@@ -252,6 +256,19 @@ class PPOActor:
             return loss
 
         return loss_fn
+
+
+def rows_with_loss(data: TensorDict, min_rows: int = 1) -> TensorDict:
+    """The batch less its rows without a loss token (groups dynamic sampling zeroed, accepted
+    past its over-sampling cap): the loss is normalised by loss tokens, so the update is the
+    same, for a forward and backward over fewer rows. At least `min_rows` rows stay (one per
+    PPO minibatch; zero-loss ones if need be) and row order is kept."""
+    has_loss = (data["loss_mask"].bool() & data["attention_mask"].bool()).any(1)
+    n_keep = max(int(has_loss.sum()), min(min_rows, data.batch_size[0]))
+    if n_keep == data.batch_size[0]:
+        return data
+    first = torch.argsort((~has_loss).to(torch.int8), stable=True)[:n_keep]
+    return data[first.sort().values]
 
 
 def _n_targets(mb: dict[str, Any]) -> float:
