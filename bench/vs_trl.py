@@ -21,7 +21,7 @@ TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install 
                            [--gpu]  # both on GPU 0 (bf16 where it is native)
                            [--arealite-args "actor.dynamic_sampling=false ..."]  # default on
                                # a CPU: allocation_mode=colocated+d1p1t1 ("" = the demo's server)
-                           [--steps 1300] [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
+                           [--steps 1300] [--lr 1e-4] [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def lr_schedule(steps: int) -> tuple[int, str]:
 
 
 def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int,
-                 extra=()) -> dict:  # fmt: skip
+                 extra=(), lr: float = LR) -> dict:  # fmt: skip
     """The launcher on arith_grpo.yaml (plus `extra` overrides), stopped (SIGTERM) once an
     evaluation past the budget is logged (or done after its steps, evaluating the last one);
     the evaluations are read from its metrics.jsonl."""
@@ -75,7 +75,7 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int
         f"actor.path={model}", f"seed={seed}", f"total_train_steps={max_steps}",
         "total_train_epochs=1000",  # the step limit binds, not the dataset's 1,250 batches
         "evaluator.freq_steps=null", "evaluator.freq_secs=60",
-        f"actor.optimizer.lr={LR}", f"actor.optimizer.lr_scheduler_type={schedule}",
+        f"actor.optimizer.lr={lr}", f"actor.optimizer.lr_scheduler_type={schedule}",
         *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
@@ -119,11 +119,12 @@ def read_jsonl(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- TRL
 
 
-def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu=False) -> dict:
+def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu=False,
+            lr: float = LR) -> dict:  # fmt: skip
     """TRL in a child process (its own threads and memory); it writes its evaluations."""
     out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
     cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
-           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out,
+           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out, "--lr", str(lr),
            *(["--gpu"] if gpu else [])]  # fmt: skip
     cpu0 = cpu_seconds_of_children()
     with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
@@ -136,7 +137,8 @@ def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu
                      cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
 
 
-def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: bool) -> None:
+def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: bool,
+              lr: float) -> None:  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -200,7 +202,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
     max_steps, schedule = lr_schedule(steps)
     args = GRPOConfig(
         output_dir=os.path.dirname(out), per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
-        num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=LR,
+        num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=lr,
         lr_scheduler_type=schedule, beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
         max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu,
         bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
@@ -305,11 +307,12 @@ def main() -> None:
                         "the fastest there; \"\" for the demo config's server)")  # fmt: skip
     p.add_argument("--gpu", action="store_true",
                    help="both on the first GPU (arealite: server and trainer share it)")  # fmt: skip
+    p.add_argument("--lr", type=float, default=LR, help="both arms' peak learning rate")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
         return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir,
-                         args.gpu)  # fmt: skip
+                         args.gpu, args.lr)  # fmt: skip
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
@@ -320,9 +323,9 @@ def main() -> None:
         extra = [] if args.arealite_args is None else extra  # a server pushed to by handles
         extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "weight_update=tensor",
                  *extra]  # fmt: skip
-    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu),
-               "arealite": lambda *a: run_arealite(*a, extra=extra)}  # fmt: skip
-    emit("protocol", minutes=args.minutes, steps=args.steps, lr=LR,
+    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu, lr=args.lr),
+               "arealite": lambda *a: run_arealite(*a, extra=extra, lr=args.lr)}  # fmt: skip
+    emit("protocol", minutes=args.minutes, steps=args.steps, lr=args.lr,
          schedule=lr_schedule(args.steps)[1], arealite_args=extra)  # fmt: skip
     runs = load_runs(args.runs_from)
     for seed in (int(s) for s in args.seeds.split(",")):
