@@ -21,7 +21,8 @@ TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install 
                            [--gpu]  # both on GPU 0 (bf16 where it is native)
                            [--arealite-args "actor.dynamic_sampling=false ..."]  # default on
                                # a CPU: allocation_mode=colocated+d1p1t1 ("" = the demo's server)
-                           [--steps 1300] [--lr 1e-4] [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
+                           [--steps 1300] [--lr 1e-4]
+                           [--runs-from earlier_output.jsonl]  # e.g. TRL's runs
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ executor's `should_accept`, a refused group frees its slot and `prepare_batch` s
 data item in its place; staleness stays exact because only accepted episodes count against the
 bound (docs/design.md, "Asynchrony and staleness"). Over-sampling is bounded: after
 `max_dropped` refusals since the last batch the filter accepts what comes (the actor zeroes
-those groups' loss mask and leaves them out of its forward and backward), so a task the policy always solves or always fails cannot stall the
-run. Counters go to the metrics as `rollout/groups_*`.
+those groups' loss mask and leaves them out of its forward and backward), so a task the policy
+always solves or always fails cannot stall the run. Counters go to the metrics as `rollout/groups_*`.
 
 Refusing a group after generating it still costs its generation: late in a run most groups are
 all-correct, and generation (not training) sets the pace. With `skip_max_prob > 0` the filter
