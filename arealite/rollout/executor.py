@@ -233,15 +233,15 @@ class WorkflowExecutor:
                 f"rollout.queue_size={self.queue_size} must hold two dataloader batches "
                 f"(2 x {batch_size})"
             )
+        group_filter = should_accept if isinstance(should_accept, GroupFilter) else None
         while True:
             while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
-                    accept = should_accept
-                    if isinstance(should_accept, GroupFilter):
-                        if not should_accept.should_start(item):
-                            self.feed.mark_done(cursor)
-                            continue
-                        accept = functools.partial(should_accept.should_accept, item)
+                    if group_filter is not None and not group_filter.should_start(item):
+                        self.feed.mark_done(cursor)
+                        continue
+                    accept = should_accept if group_filter is None else (
+                        functools.partial(group_filter.should_accept, item))  # fmt: skip
                     self._submit(Episode(item, workflow, accept, cursor=cursor))
             batch = self._await_results(batch_size, timeout=None, refill_below=batch_size)
             if batch is not None:
