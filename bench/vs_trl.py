@@ -15,7 +15,9 @@ greedy through the server).
 Figures (JSON lines): per system and seed the accuracy at each minute, seconds per step, and
 CPU-seconds per informative sample (samples in groups whose rewards differ: the ones with a
 gradient); then, over seeds, the mean time to reach each accuracy level and the ratios
-TRL / arealite (> 1: arealite is faster). Needs the `bench` extra (`pip install -e .[bench]`).
+TRL / arealite (> 1: arealite is faster), and per seed (`goal_per_seed`) when arealite first
+reached that TRL run's final accuracy, as a fraction of that run's time (the goal: <= 2/3).
+Needs the `bench` extra (`pip install -e .[bench]`).
 
     python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
                            [--gpu]  # both on GPU 0 (bf16 where it is native)
@@ -282,6 +284,21 @@ def time_to_trl_final(by: dict[str, list[dict]]) -> None:
          trl_budget_s=round(budget, 1), arealite_s_per_seed=times,
          ratio_trl_budget_over_arealite=(
              round(budget / statistics.mean(times), 2) if reached else None))  # fmt: skip
+    per_seed_goal(by)
+
+
+def per_seed_goal(by: dict[str, list[dict]]) -> None:
+    """The goal seed by seed: arealite's time to TRL's final accuracy *of the same seed*, as a
+    fraction of that TRL run's time (the goal: at most 2/3); None where never reached."""
+    trl = {r["seed"]: r for r in by["trl"]}
+    for r in (r for r in by["arealite"] if r["seed"] in trl):
+        budget_min, target = trl[r["seed"]]["accuracy_by_minute"][-1]
+        t = next((m for m, a in r["accuracy_by_minute"] if a >= target), None)
+        frac = round(t / budget_min, 2) if t is not None else None
+        emit("goal_per_seed", seed=r["seed"], trl_final_accuracy=target,
+             trl_time_s=round(budget_min * 60, 1),
+             arealite_s=round(t * 60, 1) if t is not None else None,
+             fraction_of_trl_time=frac, within_two_thirds=frac is not None and frac <= 2 / 3)  # fmt: skip
 
 
 def gpu_name() -> str:

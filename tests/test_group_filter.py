@@ -27,9 +27,19 @@ def test_the_cap_bounds_drops_per_step_then_counters_rearm():
         "rollout/groups_generated": 5,
         "rollout/groups_dropped": 2,
         "rollout/groups_accepted_uninformative": 2,
+        "rollout/groups_all_solved": 4,
     }
     assert f(group(1.0, 1.0)) is False  # a new step may drop again
     assert f.take_stats()["rollout/groups_dropped"] == 1
+
+
+def test_equal_reward_groups_are_told_apart_as_all_solved_or_all_failed():
+    f = InformativeGroupFilter(batch_size=4, max_oversample=3.0)
+    for rewards in [(0.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0, 1.0)]:
+        f(group(*rewards))
+    stats = f.take_stats()
+    assert stats["rollout/groups_generated"] - stats["rollout/groups_dropped"] == 1
+    assert stats["rollout/groups_all_solved"] == 2  # the all-zero groups failed: best reward is 1
 
 
 def test_an_oversample_below_one_is_refused():

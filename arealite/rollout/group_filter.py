@@ -93,7 +93,7 @@ class InformativeGroupFilter:
         self.max_dropped = int(round((max_oversample - 1) * batch_size))
         self.history = PromptHistory(skip_max_prob, seed) if skip_max_prob > 0 else None
         self._lock = threading.Lock()
-        self._generated = self._dropped = self._forced = self._skipped = 0
+        self._generated = self._dropped = self._forced = self._skipped = self._solved = 0
         self._best_reward = float("-inf")  # the highest reward of any sample so far
 
     def should_start(self, data: Any) -> bool:
@@ -106,21 +106,27 @@ class InformativeGroupFilter:
         return not skip
 
     def should_accept(self, data: Any, group: TensorDict) -> bool:
-        informative = is_informative(group)
+        informative, solved = self._judge(group)
         if self.history is not None:
-            rewards = group["rewards"].float()
             with self._lock:
-                self._best_reward = max(self._best_reward, rewards.max().item())
-                solved = not informative and rewards.min().item() >= self._best_reward - REWARD_TOL
                 self.history.record(prompt_key(data), solved)
-        return self._decide(informative)
+        return self._decide(informative, solved)
 
     def __call__(self, group: TensorDict) -> bool:
-        return self._decide(is_informative(group))
+        return self._decide(*self._judge(group))
 
-    def _decide(self, informative: bool) -> bool:
+    def _judge(self, group: TensorDict) -> tuple[bool, bool]:
+        """(informative, solved): solved = every sample at the best reward seen so far."""
+        informative, rewards = is_informative(group), group["rewards"].float()
+        with self._lock:
+            self._best_reward = max(self._best_reward, rewards.max().item())
+            solved = not informative and rewards.min().item() >= self._best_reward - REWARD_TOL
+        return informative, solved
+
+    def _decide(self, informative: bool, solved: bool) -> bool:
         with self._lock:
             self._generated += 1
+            self._solved += solved
             if informative:
                 return True
             if self._dropped >= self.max_dropped:
@@ -136,8 +142,10 @@ class InformativeGroupFilter:
                 "rollout/groups_generated": self._generated,
                 "rollout/groups_dropped": self._dropped,
                 "rollout/groups_accepted_uninformative": self._forced,
+                # of the equal-reward groups, those all at the best reward (the rest all fail)
+                "rollout/groups_all_solved": self._solved,
             }
             if self.history is not None:
                 stats["rollout/groups_skipped"] = self._skipped
-            self._generated = self._dropped = self._forced = self._skipped = 0
+            self._generated = self._dropped = self._forced = self._skipped = self._solved = 0
         return stats
