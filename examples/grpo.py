@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from arealite.agent.route import AgentRoute
 from arealite.api.cli_args import GRPOConfig, load_expr_config
 from arealite.api.io_struct import FinetuneSpec
+from arealite.api.weight_update import resolve_weight_update
 from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
@@ -345,7 +346,7 @@ def batch_sources(config, world, rank, tokenizer, workflow_cls, processor, loade
     if config.mode == "train_only":
         return RecordedRollouts(config.rollout.record, world, rank), None, None
     rollouts = ServerRollouts(config, world, rank, tokenizer, workflow_cls, processor, loader)
-    weights = WeightSync(config.weight_update, actor, rollouts.executor,
+    weights = WeightSync(resolve_weight_update(config), actor, rollouts.executor,
                          os.path.join(config.run_dir, "weight_sync"))  # fmt: skip
     evaluation = make_evaluation(config, rank, world, tokenizer, workflow_cls, processor)
     return rollouts, weights, evaluation

@@ -258,11 +258,13 @@ class GRPOConfig(BaseExperimentConfig):
     )
     critic: Optional[PPOCriticConfig] = field(default=None, metadata=_help("Value model (PPO)."))
     server: ServerConfig = field(default_factory=ServerConfig)
-    weight_update: Literal["disk", "distributed", "tensor"] = field(
-        default="disk",
+    weight_update: Literal["auto", "disk", "distributed", "tensor"] = field(
+        default="auto",
         metadata=_help(
-            "How new weights reach the servers after each step: disk (an HF checkpoint in "
-            "<run_dir>/weight_sync that the servers reload; any backend, LoRA too) | "
+            "How new weights reach the servers after each step: auto (tensor where the servers "
+            "share the trainer's GPU, distributed where they are on other GPUs of the node, else "
+            "disk; logged with the reason: arealite/api/weight_update.py) | disk (an HF "
+            "checkpoint in <run_dir>/weight_sync that the servers reload; any backend, LoRA too) | "
             "distributed (trainer rank 0 broadcasts to every server rank: NCCL on GPU, gloo on "
             "CPU; SGLang or the embedded server, full weights only) | tensor (servers on the "
             "trainer's GPU, cluster.share_gpus, open CUDA IPC handles of its weights: no copy "

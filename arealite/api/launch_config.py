@@ -56,8 +56,9 @@ class ClusterConfig(ConfigBase):
         default=False,
         metadata=_help(
             "Servers and trainer ranks use the same GPUs (a one-GPU machine: both must fit in its "
-            "memory). Local launcher only; needs weight_update=disk (NCCL refuses two members of "
-            "one group on one device)."
+            "memory). Local launcher only; weight_update auto then picks tensor (CUDA IPC "
+            "handles; distributed is refused: NCCL refuses two members of one group on one "
+            "device)."
         ),
     )
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)

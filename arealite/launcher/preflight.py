@@ -19,6 +19,7 @@ from arealite.api.rm_config import (
     is_preference_data,
     read_preference_rows,
 )
+from arealite.api.weight_update import AUTO, resolve_weight_update
 from arealite.launcher.reward_probe import probe_rewards
 from arealite.reward.resolve import is_library_reward, resolve_reward
 from arealite.tasks import check_dataset_config, default_reward, first_reward_row
@@ -321,8 +322,17 @@ def load_and_check(argv: list[str]):
     check_rewards_call(config)  # each reward, once, on a real row (after the cheap checks)
     check_lora_models(config)  # target_modules against the model's modules (meta device)
     check_master_weight_precision(config)
+    script_args = resolve_weight_update_arg(config, script_args)
     check_weight_update(config)
     return script, script_args, config
+
+
+def resolve_weight_update_arg(config, script_args: list[str]) -> list[str]:
+    """Resolve `weight_update: auto` once, here (logged with the reason), and hand the trainer
+    the chosen mode as an override, so it never chooses again (arealite/api/weight_update.py)."""
+    if getattr(config, "weight_update", None) != AUTO:
+        return script_args
+    return [*script_args, f"weight_update={resolve_weight_update(config)}"]
 
 
 @dataclass
