@@ -1,21 +1,40 @@
 # Two commands for a fresh machine: `make demo` (set up + CPU demo) and `make test` (set up + tests).
-# Both create .venv; torch is installed first from `torch==2.13.0` when the venv has none, so pip
-# never pulls a CUDA build by accident (install your own CUDA torch into .venv first on a GPU box).
+# Both create .venv; torch is installed first (by pip) from `torch==2.13.0` when the venv has none,
+# so no installer ever pulls a CUDA build by accident (install your own CUDA torch into .venv first
+# on a GPU box). Then uv (pip-installed into the venv when missing: it resolves and installs
+# several times faster than pip) installs the project; where uv cannot be had, pip does.
+# `make demo` installs the project alone; `make setup` (make test, lint, bench) adds the dev and
+# ray extras the tests need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+UV := $(VENV)/bin/uv
 RUN_DIR ?= runs
+DEMO_DEPS := -e .
+TEST_DEPS := -e ".[dev,ray]"
+# Install $(1) with uv, or with pip when uv is missing or fails (say, a pip-only package mirror).
+install = if [ -x $(UV) ] && $(UV) pip install -q --python $(PY) $(1); then :; \
+	else $(PIP) install -q $(1); fi
 
-.PHONY: setup setup-vllm setup-slurm test test-fast lint demo bench clean
+.PHONY: setup setup-demo setup-vllm setup-slurm test test-fast lint demo bench clean
 
 setup: $(VENV)/.installed
+setup-demo: $(VENV)/.installed-demo
 
-$(VENV)/.installed: pyproject.toml
+# The venv, torch (pip, `torch==2.13.0`, only when there is none) and uv.
+$(VENV)/.base:
 	@[ -x $(PY) ] || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,ray]"
+	@[ -x $(UV) ] || $(PIP) install -q uv || echo "uv unavailable: installing with pip"
 	@touch $@
+
+$(VENV)/.installed-demo: pyproject.toml $(VENV)/.base
+	$(call install,$(DEMO_DEPS))
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.base
+	$(call install,$(TEST_DEPS))
+	@touch $@ $(VENV)/.installed-demo
 
 # Optional: a real vLLM server on CPU for the vLLM integration tests (3.4 GB, own venv).
 setup-vllm:
@@ -38,7 +57,7 @@ test: setup lint
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not integration" tests
 
-demo: setup
+demo: setup-demo
 	bash examples/run_arith_demo.sh $(RUN_DIR)
 
 bench: setup
