@@ -95,18 +95,33 @@ class _Generation:
         self.pending: set[concurrent.futures.Future] = set()
         self.retired = False
         self.killed = False
+        self._manager: threading.Thread | None = None  # the executor's, once killed
 
     def kill(self) -> None:
-        if self.killed:
-            return
-        self.killed = True
-        # ProcessPoolExecutor has no public per-worker kill before Python 3.14.
-        for p in list(getattr(self.pool, "_processes", {}).values()):
-            try:
-                p.kill()
-            except Exception:  # already gone
-                pass
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Kill the workers (a stuck one cannot be stopped otherwise), then wait for the
+        executor's manager thread to close its pipes."""
+        if not self.killed:
+            self.killed = True
+            self._manager = getattr(self.pool, "_executor_manager_thread", None)
+            # ProcessPoolExecutor has no public per-worker kill before Python 3.14.
+            for p in list(getattr(self.pool, "_processes", {}).values()):
+                try:
+                    p.kill()
+                except Exception:  # already gone
+                    pass
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self._join_manager()
+
+    def _join_manager(self) -> None:
+        """Why wait: at interpreter exit concurrent.futures' own hook (it runs right after ours)
+        writes to the manager thread's wake-up pipe without a lock; a manager thread still
+        closing that pipe makes the write fail, and Python prints "Exception ignored in:
+        <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" (issue 42). With the
+        workers dead the thread ends in milliseconds. Not from the thread itself: a call's
+        done-callback runs there and may kill a retired generation."""
+        manager = self._manager
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(timeout=10.0)
 
 
 def _kill_all(gens: list[_Generation]) -> None:
