@@ -33,3 +33,41 @@ def launch(script: str, config: str, overrides: list[str], log_path: str) -> flo
         tail = open(log_path, errors="replace").read()[-4000:]
         sys.exit(f"{script} failed with exit code {rc}; launcher log {log_path}:\n{tail}")
     return time.monotonic() - t0
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Complete lines only: a running job may be writing the last one."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def launch_for(config: str, overrides: list[str], metrics: str, log_path: str,
+               budget_s: float, grace_s: float = 300.0) -> list[dict]:  # fmt: skip
+    """examples/grpo.py through the local launcher, stopped by SIGTERM once an evaluation past
+    `budget_s` of its wall time is logged in `metrics` (its metrics.jsonl) or the run ends;
+    returns the run's records. An earlier attempt's metrics are removed: runs start afresh."""
+    import signal
+
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
+           "--config", os.path.join(EXAMPLES, "configs", config), *overrides]  # fmt: skip
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(2)
+            recs = read_jsonl(metrics)
+            if any(r.get("eval/accuracy") is not None and r["wall_time"] >= budget_s for r in recs):
+                break
+            if time.monotonic() - t0 > budget_s + grace_s:
+                break  # an evaluation that never comes must not hang the bench
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    recs = read_jsonl(metrics)
+    if not any(r.get("eval/accuracy") is not None for r in recs):
+        tail = open(log_path, errors="replace").read()[-3000:]
+        sys.exit(f"no evaluation logged (exit {proc.returncode}); log {log_path}:\n{tail}")
+    return recs

@@ -43,14 +43,14 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_warm_start(workdir: str, extra: list[str]) -> str:
-    """Tiny model + SFT with arith_sft.yaml's defaults; returns the exported checkpoint."""
+def build_warm_start(workdir: str, extra: list[str], sft_config: str = "arith_sft.yaml") -> str:
+    """Tiny model + SFT with `sft_config`'s defaults; returns the exported checkpoint."""
     from arealite.testing.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(os.path.join(workdir, "tiny_model"))
     args = [f"cluster.fileroot={workdir}", "experiment_name=bench-sft", "trial_name=warm",
             f"model.path={tiny}", *extra]  # fmt: skip
-    secs = launch("sft.py", "arith_sft.yaml", args, os.path.join(workdir, "sft.log"))
+    secs = launch("sft.py", sft_config, args, os.path.join(workdir, "sft.log"))
     run_dir = os.path.join(workdir, "bench-sft", "warm")
     (path,) = glob.glob(os.path.join(run_dir, "checkpoints", "final", "*"))
     records = read_metrics(run_dir)

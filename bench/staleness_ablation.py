@@ -37,14 +37,10 @@ import argparse
 import glob
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
-from bench_io import EXAMPLES, REPO, emit
+from bench_io import emit, launch_for, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
 ETAS = (0, 1, 2, 4, 8)
@@ -69,43 +65,13 @@ def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int)
 
 
 def run_arm(arm: str, seed: int, model: str, args) -> list[dict]:
-    """The launcher, stopped by SIGTERM once an evaluation past the budget is logged; returns
-    the run's metrics.jsonl records."""
+    """The launcher, stopped once an evaluation past the budget is logged; its records."""
     run = f"{arm}_s{seed}"
-    cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
-           "--config", os.path.join(EXAMPLES, "configs", "arith_grpo.yaml"),
-           *arm_overrides(arm, seed, model, args.workdir, args.eval_secs)]  # fmt: skip
-    metrics = os.path.join(args.workdir, "staleness", run, "metrics.jsonl")
-    if os.path.exists(metrics):  # a stopped earlier attempt: start afresh, not resumed
-        os.remove(metrics)
-    t0 = time.monotonic()
-    log_path = os.path.join(args.workdir, f"{run}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            time.sleep(2)
-            if any(
-                r.get("eval/accuracy") is not None and r["wall_time"] >= args.budget
-                for r in read_jsonl(metrics)
-            ):
-                break
-            if time.monotonic() - t0 > args.budget + 300:
-                break  # an evaluation that never comes must not hang the bench
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    recs = read_jsonl(metrics)
-    if not any(r.get("eval/accuracy") is not None for r in recs):
-        tail = open(log_path, errors="replace").read()[-3000:]
-        sys.exit(f"{run}: no evaluation logged (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return recs
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """Complete lines only: the run may be writing the last one."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip().endswith("}")]
+    return launch_for(
+        "arith_grpo.yaml", arm_overrides(arm, seed, model, args.workdir, args.eval_secs),
+        os.path.join(args.workdir, "staleness", run, "metrics.jsonl"),
+        os.path.join(args.workdir, f"{run}.log"), args.budget,
+    )  # fmt: skip
 
 
 def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:

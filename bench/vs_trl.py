@@ -1,14 +1,15 @@
-"""Time to accuracy: TRL's `GRPOTrainer` vs arealite's GRPO loop on the demo's arithmetic task.
+"""Time to accuracy: TRL's `GRPOTrainer` vs arealite's GRPO loop on a built-in task (`--task`).
 
-Both start from the same SFT warm start (the tiny offline model fine-tuned by arith_sft.yaml),
-train on the same prompts (sums of three one-digit numbers, 16 prompts x 8 samples, 8 new
-tokens, temperature 1), with the same reward (arealite's exact-match `arith` reward), lr 1e-4,
+Both start from the same SFT warm start (the tiny offline model fine-tuned by the task's SFT
+config), train on the same prompts with the same batch, max length and reward (`arith`: sums of
+three one-digit numbers, 16 prompts x 8 samples, 8 new tokens; `long_sums`: worked sums of 2-20
+digits, 8 prompts x 8 samples, 320 new tokens; both temperature 1, exact match), lr 1e-4,
 clip 0.2, no KL, dtype auto (fp32 on a CPU without native bf16), on this machine, one after the
 other, each for `--minutes` of wall clock or `--steps` optimizer steps, whichever ends first. Both
 decay the lr linearly to 0 over `--steps` (TRL's default schedule; the default, 1300, is about
 what TRL does in 10 minutes on a 2-core CPU, so its schedule ends near its budget); `--steps 0`:
 constant lr, no step limit (the earlier protocol: late in a run the accuracy of both swings).
-Greedy held-out accuracy (the 166 unseen problems) is taken every 60 s in both: TRL through a
+Greedy held-out accuracy (the task's held-out split) is taken every 60 s in both: TRL through a
 callback that runs `model.generate`, arealite through its evaluator (`evaluator.freq_secs=60`,
 greedy through the server).
 
@@ -19,7 +20,7 @@ TRL / arealite (> 1: arealite is faster), and per seed (`goal_per_seed`) when ar
 reached that TRL run's final accuracy, as a fraction of that run's time (the goal: <= 2/3).
 Needs the `bench` extra (`pip install -e .[bench]`).
 
-    python bench/vs_trl.py [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
+    python bench/vs_trl.py [--task arith|long_sums] [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
                            [--gpu]  # both on GPU 0 (bf16 where it is native)
                            [--arealite-args "actor.dynamic_sampling=false ..."]  # default on
                                # a CPU: allocation_mode=colocated+d1p1t1 ("" = the demo's server)
@@ -39,15 +40,42 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from bench_io import EXAMPLES, REPO, emit
 from e2e_async_vs_sync import build_warm_start
 
 from arealite.utils.hardware import cpu_summary, resolve_dtype
 
-TASK = dict(max_digits=1, n_operands=3)
-BATCH_PROMPTS, N_SAMPLES, NEW_TOKENS, LR = 16, 8, 8, 1e-4
-LEVELS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+LR = 1e-4
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What both arms share for one task: the configs, the batch shape and the accuracy levels."""
+
+    grpo_config: str
+    sft_config: str
+    batch_prompts: int
+    n_samples: int
+    new_tokens: int
+    levels: tuple[float, ...]
+
+    def rows(self, split: str, size: int):
+        """The task's RL rows (messages, answer) from arealite's own loader."""
+        from arealite.tasks import get_custom_dataset
+
+        name = self.grpo_config.removesuffix("_grpo.yaml")
+        options = {"max_digits": 1, "n_operands": 3} if name == "arith" else {}
+        return get_custom_dataset(name, 0, 1, split=split, size=size, **options)
+
+
+TASKS = {
+    "arith": TaskSpec("arith_grpo.yaml", "arith_sft.yaml", 16, 8, 8,
+                      (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)),
+    "long_sums": TaskSpec("long_sums_grpo.yaml", "long_sums_sft.yaml", 8, 8, 320,
+                          (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8)),
+}  # fmt: skip
 # On a CPU no server: the trainer generates in process, one core each for training and generation
 # (docs/results.md, "Against TRL": the setting that first met the 2/3-time goal).
 CPU_DEFAULT = "allocation_mode=colocated+d1p1t1"
@@ -67,8 +95,8 @@ def lr_schedule(steps: int) -> tuple[int, str]:
 
 
 def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int,
-                 extra=(), lr: float = LR) -> dict:  # fmt: skip
-    """The launcher on arith_grpo.yaml (plus `extra` overrides), stopped (SIGTERM) once an
+                 extra=(), lr: float = LR, task: TaskSpec = TASKS["arith"]) -> dict:  # fmt: skip
+    """The launcher on the task's GRPO config (plus `extra` overrides), stopped (SIGTERM) once an
     evaluation past the budget is logged (or done after its steps, evaluating the last one);
     the evaluations are read from its metrics.jsonl."""
     run = f"seed{seed}"
@@ -82,7 +110,7 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int
         *extra,
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
-           "--config", os.path.join(EXAMPLES, "configs", "arith_grpo.yaml"), *args]  # fmt: skip
+           "--config", os.path.join(EXAMPLES, "configs", task.grpo_config), *args]  # fmt: skip
     metrics = os.path.join(workdir, "vs-trl", run, "metrics.jsonl")
     cpu0, t0 = cpu_seconds_of_children(), time.monotonic()
     with open(os.path.join(workdir, f"arealite_{run}.log"), "w") as log:
@@ -104,12 +132,12 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int
         (r["wall_time"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None
     ]
     informative = sum(
-        r.get("rollout/groups_generated", BATCH_PROMPTS) - r.get("rollout/groups_dropped", 0)
+        r.get("rollout/groups_generated", task.batch_prompts) - r.get("rollout/groups_dropped", 0)
         - r.get("rollout/groups_accepted_uninformative", 0) for r in recs
-    ) * N_SAMPLES  # fmt: skip
+    ) * task.n_samples  # fmt: skip
     wall = [r["wall_time"] for r in recs]
     return summarize("arealite", seed, evals, len(recs), wall[-1] - wall[0] if wall else 0,
-                     cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
+                     cpu_seconds_of_children() - cpu0, informative, task.levels)  # fmt: skip
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -123,34 +151,35 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu=False,
-            lr: float = LR) -> dict:  # fmt: skip
+            lr: float = LR, task_name: str = "arith") -> dict:  # fmt: skip
     """TRL in a child process (its own threads and memory); it writes its evaluations."""
     out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
     cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
            "--minutes", str(minutes), "--steps", str(steps), "--workdir", out, "--lr", str(lr),
-           *(["--gpu"] if gpu else [])]  # fmt: skip
+           "--task", task_name, *(["--gpu"] if gpu else [])]  # fmt: skip
     cpu0 = cpu_seconds_of_children()
     with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     recs = read_jsonl(out)
     evals = [(r["t"], r["accuracy"]) for r in recs if "accuracy" in r]
     steps = [r for r in recs if "step_time" in r]
-    informative = sum(r.get("informative_groups", 0) for r in recs) * N_SAMPLES
+    task = TASKS[task_name]
+    informative = sum(r.get("informative_groups", 0) for r in recs) * task.n_samples
     return summarize("trl", seed, evals, len(steps), sum(r["step_time"] for r in steps),
-                     cpu_seconds_of_children() - cpu0, informative)  # fmt: skip
+                     cpu_seconds_of_children() - cpu0, informative, task.levels)  # fmt: skip
 
 
 def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: bool,
-              lr: float) -> None:  # fmt: skip
+              lr: float, task: TaskSpec) -> None:  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from arealite.tasks.arith import get_arith_dataset, last_integer
+    from arealite.tasks.arith import last_integer
 
     tok = AutoTokenizer.from_pretrained(model)
-    train = get_arith_dataset("train", size=20000, **TASK).map(lambda r: {"prompt": r["messages"]})
-    test = list(get_arith_dataset("test", size=200, **TASK))
+    train = task.rows("train", 20000).map(lambda r: {"prompt": r["messages"]})
+    test = list(task.rows("test", 200))
     device = "cuda" if gpu else "cpu"
     dtype = getattr(torch, resolve_dtype("auto", device))
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
@@ -166,7 +195,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         policy.eval()
         with torch.no_grad():
-            gen = policy.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
+            gen = policy.generate(**enc, max_new_tokens=task.new_tokens, do_sample=False,
                                   pad_token_id=tok.pad_token_id)  # fmt: skip
         policy.train()
         outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -196,7 +225,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
         def on_log(self, args, state, control, logs=None, **kw):
             frac = (logs or {}).get("frac_reward_zero_std")
             if frac is not None:
-                write({"informative_groups": (1 - frac) * BATCH_PROMPTS})
+                write({"informative_groups": (1 - frac) * task.batch_prompts})
 
     def write(rec):
         log.write(json.dumps(rec) + "\n")
@@ -204,8 +233,9 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
 
     max_steps, schedule = lr_schedule(steps)
     args = GRPOConfig(
-        output_dir=os.path.dirname(out), per_device_train_batch_size=BATCH_PROMPTS * N_SAMPLES,
-        num_generations=N_SAMPLES, max_completion_length=NEW_TOKENS, learning_rate=lr,
+        output_dir=os.path.dirname(out),
+        per_device_train_batch_size=task.batch_prompts * task.n_samples,
+        num_generations=task.n_samples, max_completion_length=task.new_tokens, learning_rate=lr,
         lr_scheduler_type=schedule, beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
         max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu,
         bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
@@ -219,8 +249,8 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
 # ----------------------------------------------------------------------------- report
 
 
-def summarize(system, seed, evals, steps, train_s, cpu_s, informative) -> dict:
-    reached = {f"t_{lv}": next((round(t, 1) for t, a in evals if a >= lv), None) for lv in LEVELS}
+def summarize(system, seed, evals, steps, train_s, cpu_s, informative, levels) -> dict:
+    reached = {f"t_{lv}": next((round(t, 1) for t, a in evals if a >= lv), None) for lv in levels}
     rec = {
         "system": system, "seed": seed, "steps": steps,
         "sec_per_step": round(train_s / max(1, steps), 3),
@@ -232,11 +262,11 @@ def summarize(system, seed, evals, steps, train_s, cpu_s, informative) -> dict:
     return rec
 
 
-def compare(runs: list[dict]) -> None:
+def compare(runs: list[dict], levels: tuple[float, ...]) -> None:
     """Mean time to each level over seeds (only levels every seed of both systems reached)."""
     by = {s: [r for r in runs if r["system"] == s] for s in ("trl", "arealite")}
     start = max(r["accuracy_by_minute"][0][1] for r in runs)  # the shared warm start's accuracy
-    for lv in (lv for lv in LEVELS if lv > start):
+    for lv in (lv for lv in levels if lv > start):
         times = {s: [r[f"t_{lv}"] for r in rs] for s, rs in by.items()}
         if all(rs and None not in times[s] for s, rs in by.items()):
             mean = {s: statistics.mean(v) for s, v in times.items()}
@@ -309,6 +339,7 @@ def gpu_name() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", default="arith", choices=sorted(TASKS))
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--steps", type=int, default=1300,
@@ -330,26 +361,27 @@ def main() -> None:
     args = p.parse_args()
     if args.trl_child:
         return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir,
-                         args.gpu, args.lr)  # fmt: skip
+                         args.gpu, args.lr, TASKS[args.task])  # fmt: skip
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
-    model = args.model_path or build_warm_start(workdir, [])
+    task = TASKS[args.task]
+    model = args.model_path or build_warm_start(workdir, [], task.sft_config)
     extra = (args.arealite_args if args.arealite_args is not None else CPU_DEFAULT).split()
     if args.gpu:
         emit("gpu", name=gpu_name())
         extra = [] if args.arealite_args is None else extra  # a server pushed to by handles
         extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "weight_update=tensor",
                  *extra]  # fmt: skip
-    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu, lr=args.lr),
-               "arealite": lambda *a: run_arealite(*a, extra=extra, lr=args.lr)}  # fmt: skip
-    emit("protocol", minutes=args.minutes, steps=args.steps, lr=args.lr,
+    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu, lr=args.lr, task_name=args.task),
+               "arealite": lambda *a: run_arealite(*a, extra=extra, lr=args.lr, task=task)}  # fmt: skip
+    emit("protocol", task=args.task, minutes=args.minutes, steps=args.steps, lr=args.lr,
          schedule=lr_schedule(args.steps)[1], arealite_args=extra)  # fmt: skip
     runs = load_runs(args.runs_from)
     for seed in (int(s) for s in args.seeds.split(",")):
         for system in args.systems.split(","):
             runs.append(runners[system](model, seed, args.minutes, workdir, args.steps))
-    compare(runs)
+    compare(runs, task.levels)
 
 
 if __name__ == "__main__":

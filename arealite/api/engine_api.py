@@ -157,3 +157,9 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def get_version(self) -> int:
         """The current policy version."""
+
+    def server_load(self) -> dict[str, float] | None:
+        """The servers' cumulative batching counters, summed: decode_steps, batch_rows (rows
+        over those steps), busy_seconds (time in steps), servers; None where the server does
+        not report them (SGLang, vLLM). Deltas between two calls give the batch occupancy."""
+        return None

@@ -184,6 +184,26 @@ class RemoteInferenceEngine(InferenceEngine):
         does not report its own)."""
         return self.weights.version
 
+    def server_load(self) -> dict[str, float] | None:
+        """The embedded servers' batching counters from their /metrics, summed (None when a
+        server does not serve them: SGLang and vLLM name theirs differently)."""
+        try:
+            texts = self.run_coroutine(self._all_metrics()).result(timeout=10)
+        except Exception as e:  # a dashboard figure must never stop training
+            logger.debug("server_load: %s", e)
+            return None
+        loads = [parse_server_load(t) for t in texts]
+        if not loads or any(load is None for load in loads):
+            return None
+        return {k: sum(load[k] for load in loads) for k in loads[0]} | {"servers": len(loads)}
+
+    async def _all_metrics(self) -> list[str]:
+        return list(
+            await asyncio.gather(
+                *(self.http.call(a, "GET", "/metrics", timeout=5) for a in self.addresses)
+            )
+        )
+
     def stats(self) -> dict[str, int]:
         """Client events: generate_calls, aborted_chunks, failovers, ... and servers_failed."""
         return {**self.counters, "servers_failed": len(self.failed)}
@@ -253,3 +273,22 @@ class RemoteInferenceEngine(InferenceEngine):
             await self.pool.on_servers("continue_generation", self.continue_server)
         finally:
             self.gen_allowed.set()
+
+
+_LOAD_SERIES = {
+    "arealite_decode_steps_total": "decode_steps",
+    "arealite_step_batch_size_sum": "batch_rows",
+    "arealite_busy_seconds_total": "busy_seconds",
+}
+
+
+def parse_server_load(text: Any) -> dict[str, float] | None:
+    """decode_steps / batch_rows / busy_seconds from the embedded server's Prometheus text."""
+    if not isinstance(text, str):
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _LOAD_SERIES:
+            found[_LOAD_SERIES[name]] = float(value)
+    return found if len(found) == len(_LOAD_SERIES) else None

@@ -114,6 +114,12 @@ class ColocatedEngine(InferenceEngine):
     def weight_version(self) -> int:
         return self.generator.scheduler.weight_version
 
+    def server_load(self) -> dict[str, float]:
+        """The in-process scheduler's batching counters (the InferenceEngine contract)."""
+        snap = self.generator.scheduler.metrics.snapshot()
+        keys = ("decode_steps", "batch_rows", "busy_seconds")
+        return {k: float(snap[k]) for k in keys} | {"servers": 1}
+
     # ---- generation ---------------------------------------------------------------------
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         return (await self.agenerate_group([req]))[0]

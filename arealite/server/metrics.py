@@ -24,13 +24,15 @@ class ServerMetrics:
         self.max_batch_size = 0
         self.batch_hist = [0] * (len(BATCH_BUCKETS) + 1)
         self.batch_sum = 0
+        self.busy_seconds = 0.0  # time inside batched steps: busy / wall is the occupancy
         self.weight_version = 0
         self.paused = False
         self.started = time.time()
 
-    def on_step(self, batch_size: int, new_tokens: int) -> None:
+    def on_step(self, batch_size: int, new_tokens: int, seconds: float = 0.0) -> None:
         with self._lock:
             self.decode_steps += 1
+            self.busy_seconds += seconds
             self.generation_tokens += new_tokens
             self.last_batch_size = batch_size
             self.max_batch_size = max(self.max_batch_size, batch_size)
@@ -57,6 +59,8 @@ class ServerMetrics:
                 "waiting": self.waiting,
                 "decode_steps": self.decode_steps,
                 "max_batch_size": self.max_batch_size,
+                "batch_rows": self.batch_sum,
+                "busy_seconds": self.busy_seconds,
             }
 
     def render(self) -> str:
@@ -90,6 +94,12 @@ class ServerMetrics:
             )
             metric(
                 "decode_steps_total", "counter", "Batched forward steps.", [("", self.decode_steps)]
+            )
+            metric(
+                "busy_seconds_total",
+                "counter",
+                "Seconds spent in batched steps (busy / wall time: the occupancy).",
+                [("", self.busy_seconds)],
             )
             metric(
                 "running_requests", "gauge", "Requests in the decoding batch.", [("", self.running)]

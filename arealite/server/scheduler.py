@@ -231,6 +231,7 @@ class Scheduler:
         rows = self.runner.num_running + len(admitted)
         if rows == 0:
             return
+        started = time.perf_counter()
         try:
             with torch.inference_mode():
                 finished = self.runner.step(admitted)
@@ -238,7 +239,7 @@ class Scheduler:
             logger.exception("scheduler step failed; aborting the running batch")
             self._fail_running(admitted, e)
             return
-        self.metrics.on_step(rows, rows)
+        self.metrics.on_step(rows, rows, time.perf_counter() - started)
         self._finish(finished)
 
     def _fail_running(self, admitted: list[Sequence], error: Exception) -> None:

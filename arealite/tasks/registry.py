@@ -21,6 +21,7 @@ from typing import Any
 import arealite.tasks.arith as arith
 import arealite.tasks.clevr_count as clevr_count
 import arealite.tasks.gsm8k as gsm8k
+import arealite.tasks.long_sums as long_sums
 import arealite.tasks.synthetic_counting as synthetic_counting
 
 
@@ -38,6 +39,8 @@ class Task:
 _COUNT = dict(vision=True, shards_itself=True)
 TASKS: dict[str, Task] = {
     "arith": Task(arith.load, arith.arith_reward_fn, ("arith",), arith.OPTIONS),
+    "long_sums": Task(long_sums.load, long_sums.long_sums_reward_fn, ("long_sums",),
+                      long_sums.OPTIONS),
     "gsm8k": Task(gsm8k.load, gsm8k.math_reward_fn, ("math_verify", "gsm8k"), gsm8k.OPTIONS,
                   aliases=(gsm8k.GSM8K_HUB_ID,)),
     "clevr_count_70k": Task(clevr_count.load, clevr_count.clevr_count_reward_fn,

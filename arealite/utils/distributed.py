@@ -134,6 +134,15 @@ def all_gather_int(value: int) -> list[int]:
     return [int(t.item()) for t in out]
 
 
+def all_gather_objects(values: list) -> list:
+    """Every rank's list `values`, concatenated in rank order (picklable items)."""
+    if not (dist.is_initialized() and world_size() > 1):
+        return list(values)
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, values)
+    return [v for part in out for v in part]
+
+
 def raise_if_any_rank_failed(error: BaseException | None) -> None:
     """Collective: re-raise `error` here, or fail on every other rank too, so one rank's bad
     input cannot leave the rest blocked in their next collective."""
