@@ -61,10 +61,17 @@ class ClusterConfig(ConfigBase):
             "device)."
         ),
     )
+    gpu_memory_gb: Optional[float] = field(
+        default=None,
+        metadata=_help("Memory of each GPU in GiB for the preflight memory plan "
+                       "(arealite/launcher/memory_plan.py); null = what nvidia-smi reports."),
+    )  # fmt: skip
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"cluster.gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         if self.n_nodes < 1:
             raise ConfigError(f"cluster.n_nodes must be >= 1, got {self.n_nodes}")
         if self.n_gpus_per_node < 0:

@@ -20,6 +20,7 @@ from arealite.api.rm_config import (
     read_preference_rows,
 )
 from arealite.api.weight_update import AUTO, resolve_weight_update
+from arealite.launcher.memory_plan import check_memory
 from arealite.launcher.reward_probe import probe_rewards
 from arealite.reward.resolve import is_library_reward, resolve_reward
 from arealite.tasks import check_dataset_config, default_reward, first_reward_row
@@ -324,6 +325,7 @@ def load_and_check(argv: list[str]):
     check_master_weight_precision(config)
     script_args = resolve_weight_update_arg(config, script_args)
     check_weight_update(config)
+    check_memory(config)  # each GPU's expected peak, refused when it cannot fit (memory_plan.py)
     return script, script_args, config
 
 
