@@ -6,6 +6,8 @@
 # its own log in OUT_DIR; a failed stage does not stop the next. The figures are printed last.
 #
 #   bash bench/gpu_run.sh OUT_DIR [quick]     # quick: a few steps of each (finds breakage)
+#   bash bench/gpu_run.sh OUT_DIR dry         # CPU, seconds: the preflight memory plans of
+#                                             # gsm8k_grpo.yaml at Qwen2.5-0.5B / 1.5B shapes
 #
 # Knobs (environment): SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
 # T_SFT T_VS T_GRPO (seconds); GPU_TESTS (pytest args), VS_ARGS (extra vs_trl.py args, e.g.
@@ -15,6 +17,11 @@ cd "$(dirname "$0")/.."
 OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [quick]}
 MODE=${2:-full}
 PY=${PY:-python3}
+if [ "$MODE" = dry ]; then  # no GPU, no model, no download: bench/memory_plan.py --dry
+  mkdir -p "$OUT"
+  $PY bench/memory_plan.py --dry | tee "$OUT/memory_plan.log"
+  exit "${PIPESTATUS[0]}"
+fi
 # Weights pass through disk every step: keep them in RAM where /dev/shm has room (20 GB).
 SHM_KB=$(df --output=avail -k /dev/shm 2>/dev/null | tail -n 1)
 W=${GPU_RUN_DIR:-$([ "${SHM_KB:-0}" -gt 20000000 ] && echo /dev/shm/gpu_run || echo /tmp/gpu_run)}
@@ -41,6 +48,8 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log to OUT/NAME.log, r
 }
 
 nvidia-smi -L
+GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | awk '{print $1 / 1024}')
+$PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1  # next to the measured
 [ -n "${VS_FLAGS-x}" ] && $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0),
 'capability', torch.cuda.get_device_capability(0))"

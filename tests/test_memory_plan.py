@@ -85,9 +85,12 @@ def test_preflight_refuses_before_anything_starts(tmp_path, tiny_model_dir):
         load_and_check([*argv, "cluster.gpu_memory_gb=0.5"])
 
 
-def test_gpu_bench_dry_mode_prints_the_plans():
-    out = subprocess.run([sys.executable, BENCH, "--dry"], capture_output=True, text=True,
-                         timeout=120, check=True).stdout  # fmt: skip
+def test_gpu_bench_dry_mode_prints_the_plans(tmp_path):
+    """`bash bench/gpu_run.sh OUT dry`: the GPU bench's CPU mode (bench/memory_plan.py --dry)."""
+    script = os.path.join(ROOT, "bench", "gpu_run.sh")
+    out = subprocess.run(["bash", script, str(tmp_path), "dry"], capture_output=True, text=True,
+                         timeout=120, check=True, env={**os.environ, "PY": sys.executable}).stdout  # fmt: skip
+    assert (tmp_path / "memory_plan.log").read_text() == out
     for model in ("Qwen2.5-0.5B", "Qwen2.5-1.5B"):
         assert f"== {model}, as shipped (server GPU 0, trainer GPU 1): fits" in out
         assert f"== {model}, one GPU, shared: refused" in out
