@@ -120,8 +120,11 @@ class _Generation:
         workers dead the thread ends in milliseconds. Not from the thread itself: a call's
         done-callback runs there and may kill a retired generation."""
         manager = self._manager
-        if manager is not None and manager is not threading.current_thread():
-            manager.join(timeout=10.0)
+        if manager is None or manager is threading.current_thread():
+            return
+        manager.join(timeout=10.0)
+        if not manager.is_alive():  # let it go: it holds a weakref to the executor whose
+            self._manager = None  # callback, run at interpreter teardown, prints a traceback
 
 
 def _kill_all(gens: list[_Generation]) -> None:
