@@ -2,6 +2,7 @@
 # The CPU demo (`make demo`): a tiny model built offline, an SFT warm start on synthetic
 # arithmetic stopped early, then GRPO with the embedded inference server; prints held-out accuracy
 # before and after GRPO. Everything goes to <RUN_ROOT>/demo (default runs/demo).
+# DEMO_SFT_ARGS / DEMO_GRPO_ARGS: extra config overrides (tests/test_demo.py: a few steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${1:-runs}/demo
@@ -15,14 +16,14 @@ fi
 
 echo "== 1/2 SFT warm start (examples/configs/arith_sft.yaml)"
 $PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \
-  cluster.fileroot="$RUN" model.path="$RUN/tiny_model"
+  cluster.fileroot="$RUN" model.path="$RUN/tiny_model" ${DEMO_SFT_ARGS:-}
 SFT_MODEL=$(ls -d "$RUN"/arith-sft/demo/checkpoints/final/*/ | tail -n 1)
 # The stable path the YAMLs name (actor.path: runs/demo/sft_model).
 ln -sfn "$(cd "$SFT_MODEL" && pwd)" "$RUN/sft_model"
 
 echo "== 2/2 GRPO from $SFT_MODEL (examples/configs/arith_grpo.yaml)"
 $PY -m arealite.launcher.local examples/grpo.py --config examples/configs/arith_grpo.yaml \
-  cluster.fileroot="$RUN" actor.path="$SFT_MODEL"
+  cluster.fileroot="$RUN" actor.path="$SFT_MODEL" ${DEMO_GRPO_ARGS:-}
 
 GRPO_DIR="$RUN/arith-grpo/demo"
 $PY - "$GRPO_DIR" "$(( $(date +%s) - start ))" <<'PYEOF'
