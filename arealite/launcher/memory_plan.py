@@ -391,6 +391,9 @@ def check_memory(config, device_bytes: float | None = None, log=None) -> MemoryP
     if device_bytes is None and config.cluster.n_gpus_per_node:
         device_bytes = gpu_memory_bytes(config.cluster)
     plan = plan_memory(config, shape, device_bytes)
+    warnings: list[str] = []
+    check_plan(plan, warnings.append)  # a refusal carries the plan itself
     log.info("%s", plan.describe())
-    check_plan(plan, log.warning)
+    for msg in warnings:
+        log.warning("%s", msg)
     return plan
