@@ -45,6 +45,7 @@ from arealite.trainer.stats_logger import StatsLogger
 from arealite.trainer.weight_sync import WeightSync
 from arealite.utils import distributed as du
 from arealite.utils import stats_tracker
+from arealite.utils.reward_errors import RewardFailFastError
 from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -112,6 +113,8 @@ def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None
 
     def accuracy() -> float:
         batch = executor.rollout_batch(rows, workflow)
+        if pool is not None:  # an evaluation in which every reward call failed stops the run
+            pool.end_step()
         correct = torch.tensor([float(batch["rewards"].sum()), float(len(rows))])
         if world > 1:
             dist.all_reduce(correct)
@@ -194,18 +197,27 @@ class ServerRollouts:
         self.loader, self.data_iter = loader, None
 
     def next_batch(self, step: int):
-        """(batch, the dataset rows of its episodes)."""
+        """(batch, the dataset rows of its episodes). A step in which every reward call failed
+        raises RewardFailFastError here, before it is trained on (reward_errors.py)."""
+        batch = self._rollout()
+        if self.reward_pool is not None:
+            try:
+                self.reward_pool.end_step()
+            except RewardFailFastError:  # cancel the episodes in flight first: at exit their
+                self.executor.destroy()  # calls would fail on the closed pool, burying this
+                raise
+        return batch, self.executor.last_batch_data
+
+    def _rollout(self):
         if not self.sync:
-            batch = self.executor.prepare_batch(self.loader, self.workflow, self.group_filter)
-            return batch, self.executor.last_batch_data
+            return self.executor.prepare_batch(self.loader, self.workflow, self.group_filter)
         if self.data_iter is None:
             self.data_iter = iter(self.loader)
         rows = next(self.data_iter, None)
         if rows is None:  # epoch end
             self.data_iter = iter(self.loader)
             rows = next(self.data_iter)
-        batch = self.executor.rollout_batch(rows, self.workflow)
-        return batch, self.executor.last_batch_data
+        return self.executor.rollout_batch(rows, self.workflow)
 
     def states(self) -> dict:
         return {"rollout": self.executor, "workflow": self.workflow}  # reward counters continue

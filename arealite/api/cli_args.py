@@ -125,10 +125,11 @@ class InferenceEngineConfig(ConfigBase):
                        "replay, train-only."),
     )  # fmt: skip
     reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
-    reward_fail_fast_calls: int = field(
-        default=64,
-        metadata=_help("Stop the run when the first N reward calls all fail (raise or time "
-                       "out): the reward is broken, not unlucky; 0 = never."),
+    reward_fail_fast_steps: int = field(
+        default=1,
+        metadata=_help("Stop the run at the end of the first step (of N in a row) in which "
+                       "every reward call failed (raised or timed out), before training on it: "
+                       "the reward is broken, not unlucky; 0 = never."),
     )  # fmt: skip
     max_reward_error_rate: float = field(
         default=0.5,
@@ -161,10 +162,10 @@ class InferenceEngineConfig(ConfigBase):
         self._check_reward_knobs()
 
     def _check_reward_knobs(self) -> None:
-        if self.reward_fail_fast_calls < 0 or self.no_signal_steps < 0:
+        if self.reward_fail_fast_steps < 0 or self.no_signal_steps < 0:
             raise ConfigError(
-                "rollout.reward_fail_fast_calls and rollout.no_signal_steps must be >= 0 (0 = "
-                f"off), got {self.reward_fail_fast_calls} and {self.no_signal_steps}"
+                "rollout.reward_fail_fast_steps and rollout.no_signal_steps must be >= 0 (0 = "
+                f"off), got {self.reward_fail_fast_steps} and {self.no_signal_steps}"
             )
         if not 0.0 <= self.max_reward_error_rate <= 1.0:
             raise ConfigError(
@@ -177,7 +178,7 @@ class InferenceEngineConfig(ConfigBase):
 
     def reward_fail_fast(self) -> FailFast:
         """When the run's reward pools give up on a broken reward (arealite/utils/reward_errors.py)."""
-        return FailFast(self.reward_fail_fast_calls, self.max_reward_error_rate,
+        return FailFast(self.reward_fail_fast_steps, self.max_reward_error_rate,
                         self.reward_error_window)  # fmt: skip
 
 

@@ -21,8 +21,9 @@ A reward function scores ONE sampled completion:
 - At run time an exception, a non-finite value or a timeout (`rollout.reward_timeout`) scores 0
   for that sample; the run goes on, the metrics count it (`rollout/errors`,
   `rollout/timeouts`) and each kind of failure is logged once (then by count). A reward that
-  is plainly broken stops the run with its first traceback and the counts: the first
-  `rollout.reward_fail_fast_calls` calls (64) all failed, or more than
+  is plainly broken stops the run with its first traceback and the counts: every call of a
+  step failed (checked at the end of the step, before training on it;
+  `rollout.reward_fail_fast_steps`: 1 such step), or more than
   `rollout.max_reward_error_rate` (0.5) of the last `rollout.reward_error_window` (256) did.
 
 Example, `my_rewards.py` next to the YAML:

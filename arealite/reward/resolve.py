@@ -137,7 +137,8 @@ async def _awaited(value: Any) -> Any:
 
 
 class WeightedRewardPool:
-    """Drop-in for RewardPool (`await pool(**kw)`, `.stats`, `.close()`) over several rewards."""
+    """Drop-in for RewardPool (`await pool(**kw)`, `.stats`, `.end_step()`, `.close()`) over
+    several rewards."""
 
     def __init__(
         self,
@@ -180,6 +181,11 @@ class WeightedRewardPool:
         self._sums = dict.fromkeys(self._sums, 0.0)
         self._counts = dict.fromkeys(self._counts, 0)
         return out
+
+    def end_step(self) -> None:
+        """The trainer's step boundary, for each component (each judged on its own calls)."""
+        for _, _, p in self.components:
+            p.end_step()
 
     def close(self) -> None:
         for _, _, p in self.components:

@@ -3,14 +3,21 @@ count, at 10, 100, 1000, ...), and stop the run when the reward is plainly broke
 
 Why stop: a reward that raises scores 0, and a run on all-zero rewards trains on nothing for
 hours while looking healthy (issue 23: 208 calls raised TypeError, 12 steps trained on zeros).
-Two rules, both from `rollout.*` (InferenceEngineConfig): the first `first_calls` calls all
-failed, or more than `max_error_rate` of the last `window` calls failed. A reward that fails on
-a few odd rows (a bug on one row in eight) keeps running, counted in `rollout/errors`.
+Two rules, both from `rollout.*` (InferenceEngineConfig):
+- a step in which every reward call failed (`steps` such steps in a row; default 1): checked by
+  the trainer when a step's batch is complete (`end_step`), before it trains on it. Per step,
+  not per N calls, so a reward that always raises stops in the first step whatever the batch
+  size (issue 42: a rule of "the first 64 calls" let a 16-sample batch train 3 steps on zeros);
+- more than `max_error_rate` of the last `window` calls failed (a reward that broke mid-run,
+  or fails on most rows), checked at each failed call.
+A reward that fails on a few odd rows (a bug on one row in eight) keeps running, counted in
+`rollout/errors`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -27,15 +34,14 @@ class RewardFailFastError(RuntimeError):
 class FailFast:
     """When a RewardPool gives up on its reward (see the module docstring)."""
 
-    first_calls: int = 64  # the first N calls all failed: stop (0 = off)
+    steps: int = 1  # this many steps in a row in which every call failed: stop (0 = off)
     max_error_rate: float = 0.5  # more than this fraction of the last `window` failed: stop
     window: int = 256
 
     def __post_init__(self):
-        if self.first_calls < 0 or self.window < 1 or not 0.0 <= self.max_error_rate <= 1.0:
+        if self.steps < 0 or self.window < 1 or not 0.0 <= self.max_error_rate <= 1.0:
             raise ValueError(
-                f"FailFast needs first_calls >= 0, window >= 1, 0 <= max_error_rate <= 1; "
-                f"got {self}"
+                f"FailFast needs steps >= 0, window >= 1, 0 <= max_error_rate <= 1; got {self}"
             )
 
 
@@ -48,7 +54,9 @@ def _is_log_point(n: int) -> bool:
 
 class RewardErrors:
     """Outcomes of one reward's calls: logs failures once per kind with a count, and raises
-    RewardFailFastError (then on every later failure) once `policy` says the reward is broken."""
+    RewardFailFastError (then on every later failure) once `policy` says the reward is broken.
+    Calls are counted on the rollout thread and `end_step` runs on the trainer's: a lock keeps
+    a step's counts consistent."""
 
     def __init__(self, name: str, policy: FailFast | None = None):
         self.name = name
@@ -58,16 +66,24 @@ class RewardErrors:
         self.first_traceback: str | None = None
         self.tripped: str | None = None
         self._recent: deque[bool] = deque(maxlen=policy.window if policy else 1)
+        self._lock = threading.Lock()
+        self._step_calls = self._step_failed = 0  # since the last end_step
+        self._failed_steps = 0  # steps in a row in which every call failed
 
     def ok(self) -> None:
-        self.calls += 1
-        self._recent.append(False)
+        with self._lock:
+            self.calls += 1
+            self._step_calls += 1
+            self._recent.append(False)
 
     def failed(self, kind: str, error: BaseException | None = None) -> None:
         """Count a failure of `kind` ("TypeError", "timeout", ...); raise if the run must stop."""
-        self.calls += 1
-        self._recent.append(True)
-        self.kinds[kind] += 1
+        with self._lock:
+            self.calls += 1
+            self._step_calls += 1
+            self._step_failed += 1
+            self._recent.append(True)
+            self.kinds[kind] += 1
         if self.first_traceback is None and error is not None:
             self.first_traceback = "".join(traceback.format_exception(error)).rstrip()
         n = self.kinds[kind]
@@ -80,12 +96,26 @@ class RewardErrors:
                            self.calls)  # fmt: skip
         self._check()
 
+    def end_step(self) -> None:
+        """The trainer's step boundary: its batch is complete. Raise if every reward call since
+        the previous boundary failed (in `policy.steps` such steps in a row); a step without
+        calls (its episodes were scored earlier) changes nothing."""
+        with self._lock:
+            calls, failed = self._step_calls, self._step_failed
+            self._step_calls = self._step_failed = 0
+        p = self.policy
+        if p is None or not p.steps or calls == 0:
+            return
+        self._failed_steps = self._failed_steps + 1 if failed == calls else 0
+        if self.tripped is None and self._failed_steps >= p.steps:
+            in_row = f" ({p.steps} steps in a row)" if p.steps > 1 else ""
+            self.tripped = f"all {calls} of its calls in a step failed{in_row}"
+        if self.tripped is not None:
+            raise RewardFailFastError(self.describe())
+
     def _check(self) -> None:
         p = self.policy
         if self.tripped is None and p is not None:
-            n_failed = sum(self.kinds.values())
-            if p.first_calls and self.calls == n_failed == p.first_calls:
-                self.tripped = f"its first {p.first_calls} calls all failed"
             recent = sum(self._recent)
             full = len(self._recent) == p.window
             if self.tripped is None and full and recent > p.max_error_rate * p.window:
@@ -97,11 +127,13 @@ class RewardErrors:
             raise RewardFailFastError(self.describe())
 
     def describe(self) -> str:
-        kinds = ", ".join(f"{k} x{n}" for k, n in self.kinds.most_common())
+        with self._lock:
+            counts, calls = self.kinds.most_common(), self.calls
+        kinds = ", ".join(f"{k} x{n}" for k, n in counts)
         return (
-            f"reward {self.name} is broken: {self.tripped} ({sum(self.kinds.values())} failed "
-            f"of {self.calls} calls: {kinds}); the run stops rather than train on zero "
-            "rewards (rollout.reward_fail_fast_calls, rollout.max_reward_error_rate and "
+            f"reward {self.name} is broken: {self.tripped} ({sum(n for _, n in counts)} failed "
+            f"of {calls} calls: {kinds}); the run stops rather than train on zero "
+            "rewards (rollout.reward_fail_fast_steps, rollout.max_reward_error_rate and "
             "rollout.reward_error_window set when). First traceback:\n"
             f"{self.first_traceback or '(none: timeouts only)'}"
         )
