@@ -165,17 +165,19 @@ def test_allocation_mode_parsing():
     a = AllocationMode.from_str("d2p1t1")
     assert a.train_only and a.train_world_size == 2 and a.gen_n_servers == 0
     assert AllocationMode.from_str("local.d1p1t1+d2p1t1").gen_backend == "local"
+    a = AllocationMode.from_str("sglang.d1+d2t2")  # tensor-parallel trainer: 4 ranks
+    assert (a.train.tensor_parallel_size, a.train_world_size) == (2, 4)
     a = AllocationMode.from_str("colocated+d2p1t1")  # the trainer ranks generate: no server
     assert a.colocated and not a.train_only and (a.gen_n_servers, a.train_world_size) == (0, 2)
     for bad, needle in [
         ("sglang.d2x1+d1", "'d2x1'"),
         ("sglang+d1", "must name a backend"),
         ("mpi.d1+d1", "'mpi'"),
-        ("sglang.d1+d1t2", "only data parallelism"),
+        ("sglang.d1+d1p2", "no pipeline parallelism"),
         ("", "Bad parallel strategy"),
         ("local.d1", "needs a trainer part"),
         ("colocated.d1+d1", "'colocated+d1'"),
-        ("colocated+d1t2", "only data parallelism"),
+        ("colocated+d1t2", "must be t1"),
     ]:
         with pytest.raises(ValueError, match=needle.replace("+", r"\+").replace(".", r"\.")):
             AllocationMode.from_str(bad)

@@ -32,7 +32,7 @@ def sft_args(tmp_path, tiny_model_dir):
     "override,needle",
     [
         ("model.lrr=1", "did you mean 'model.optimizer.lr'"),
-        ("allocation_mode=d2p1t2", "only data parallelism"),
+        ("allocation_mode=d2p2t1", "no pipeline parallelism"),
         ("train_dataset.path=/no/such/data.jsonl", "train_dataset.path='/no/such/data.jsonl'"),
         ("model.path=/no/such/model", "model.path='/no/such/model'"),
     ],

@@ -12,6 +12,7 @@ algorithm presets in `presets.py`; all are re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -211,6 +212,10 @@ class BaseExperimentConfig(ConfigBase):
             self._allocation = AllocationMode.from_str(self.allocation_mode)
         except ValueError as e:
             raise ConfigError(f"allocation_mode: {e}") from None
+        for f in dataclasses.fields(self):  # every trained model: its trainer part's t
+            engine = getattr(self, f.name)
+            if isinstance(engine, TrainEngineConfig):
+                engine.tensor_parallel_size = self._allocation.train.tensor_parallel_size
         if self.total_train_epochs < 1:
             raise ConfigError(f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
 

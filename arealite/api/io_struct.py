@@ -315,7 +315,8 @@ class AllocationMode:
     `colocated+d2p1t1`: no server; each trainer rank generates with its own copy of the policy
     in its own process, between updates (one device, no second set of cores to lend).
     A bare `d2p1t1` means training only (SFT). Pipeline parallelism is not used by the FSDP
-    trainer, so its `p` must be 1.
+    trainer, so its `p` must be 1; its `t` > 1 shards each replica over t ranks (tensor
+    parallel, DTensor: engine/tensor_parallel.py), `d2t2` = 4 ranks.
     """
 
     gen_backend: str | None
@@ -382,9 +383,14 @@ class AllocationMode:
     @staticmethod
     def _train_part(part: str, whole: str) -> ParallelStrategy:
         train = ParallelStrategy.from_str(part, whole)
-        if train.pipeline_parallel_size != 1 or train.tensor_parallel_size != 1:
+        if train.pipeline_parallel_size != 1:
             raise ValueError(
-                f"Bad allocation mode {whole!r}: the FSDP trainer part {part!r} supports only "
-                "data parallelism (p1t1); use d<N>"
+                f"Bad allocation mode {whole!r}: the FSDP trainer part {part!r} has no pipeline "
+                "parallelism (p1); use d<N> or d<N>t<T> (tensor parallel)"
+            )
+        if train.tensor_parallel_size != 1 and whole.startswith(COLOCATED + "+"):
+            raise ValueError(
+                f"Bad allocation mode {whole!r}: colocated generation needs a whole policy per "
+                f"rank, so its trainer part {part!r} must be t1; use d<N>"
             )
         return train

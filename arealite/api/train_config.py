@@ -125,6 +125,14 @@ class TrainEngineConfig(ConfigBase):
     weight_update_bucket_mb: int = field(
         default=256, metadata=_help("Bucket size for gathering / broadcasting weights.")
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=derived_from(
+            "allocation_mode",
+            "Ranks per tensor group (the trainer part's t): the model's heads, MLP and "
+            "vocabulary are sharded over them (engine/tensor_parallel.py).",
+        ),
+    )
 
 
 @dataclass

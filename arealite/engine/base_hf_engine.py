@@ -41,6 +41,7 @@ from arealite.engine.packing import (
     packed_position_ids,
     shared_prompt_plan,
 )
+from arealite.engine.tensor_parallel import local_view
 from arealite.engine.vlm_inputs import vlm_forward_mb
 from arealite.utils import distributed as du
 from arealite.utils.data import MicroBatchList, pack_tensor_dict
@@ -99,25 +100,33 @@ class BaseHFEngine(TrainEngine):
         packed["position_ids"] = packed_position_ids(packed["cu_seqlens"])
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in packed.items()}
 
+    def _replica_batch(self, input_: TensorDict) -> tuple[TensorDict, slice]:
+        """(the batch this rank's replica computes, its own rows): tensor_parallel.py."""
+        return input_, slice(None)
+
+    def _model_output(self, out: torch.Tensor) -> torch.Tensor:
+        return out  # tensor parallelism: the logits as a vocabulary-sharded DTensor
+
     def prepare_mbs(
         self, input_: TensorDict, required: tuple[str, ...] = ()
-    ) -> tuple[list[dict[str, Any]], MicroBatchList | None] | None:
-        """Validate, split under the token budget and pack. Every rank returns the same number
-        of micro-batches (dummies pad the short ones, at the end); None if all ranks are empty.
-        A malformed batch on any rank raises on every rank (rather than hanging the others)."""
+    ) -> tuple[list[dict[str, Any]], MicroBatchList | None, slice] | None:
+        """Validate, split `_replica_batch(input_)` (the slice: this rank's rows) under the token
+        budget and pack. All ranks get as many micro-batches (dummies pad, at the end); None if
+        all are empty. A malformed batch on any rank raises on every rank (none hangs)."""
         error = None
         try:
             validate_model_batch(self.model.config, input_, required)
         except (KeyError, TypeError, ValueError) as e:
             error = e
         du.raise_if_any_rank_failed(error)
+        input_, own = self._replica_batch(input_)
         split = split_across_ranks(input_, self.config.mb_spec)
         if split is None:
             return None
         mbl, n_mbs = split
         mbs = [self._pack(mb) for mb in mbl.mbs] if mbl else []
         mbs += [dummy_mb(self.device) for _ in range(n_mbs - len(mbs))]
-        return mbs, mbl
+        return mbs, mbl, own
 
     def _model_inputs(self, mb: dict[str, Any]) -> dict[str, Any]:
         cu = mb["cu_seqlens"]
@@ -150,7 +159,7 @@ class BaseHFEngine(TrainEngine):
         else:  # each shared prompt computed once, the results expanded to the packed layout
             out = self.model(**self._model_inputs(kept_tokens(mb, shared))).logits[0]
             out = out.index_select(0, shared.expand)  # (faster backward than out[expand])
-        return out.squeeze(-1).float() if self.config.is_critic else out
+        return out.squeeze(-1).float() if self.config.is_critic else self._model_output(out)
 
     # -- TrainEngine -------------------------------------------------------------------------
 
@@ -182,7 +191,7 @@ class BaseHFEngine(TrainEngine):
         for mb, w in zip(mbs, weights):
             out = self.forward_mb(mb)
             if mb.get("dummy"):
-                loss = out.float().sum() * 0.0
+                loss = local_view(out).float().sum() * 0.0
             else:
                 loss = loss_fn(out, mb)
                 loss_sum += float(loss.detach()) * w
@@ -258,7 +267,7 @@ class BaseHFEngine(TrainEngine):
         prepared = self.prepare_mbs(input_)
         if prepared is None:
             return None
-        mbs, mbl = prepared
+        mbs, mbl, own = prepared  # (output_seqlens: scalar heads only, never tensor parallel)
         per_seq: list[torch.Tensor] = []
         for j, mb in enumerate(mbs):
             out = self.forward_mb(mb)
@@ -270,7 +279,7 @@ class BaseHFEngine(TrainEngine):
             else:
                 lens = [output_seqlens[i] for i in mbl.group_indices[j]]
             per_seq.extend(torch.split(res, lens))
-        per_seq = [per_seq[i] for i in mbl.backward_indices]
+        per_seq = [per_seq[i] for i in mbl.backward_indices][own]
         if output_seqlens is None:
             L = input_["attention_mask"].shape[1]
             per_seq = [_pad_to(x, L)[None] for x in per_seq]

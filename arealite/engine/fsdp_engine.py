@@ -1,6 +1,8 @@
 """FSDPEngine: an HF model trained with PyTorch FSDP2 over all trainer ranks.
 
-One rank per process (torchrun), a 1-D data-parallel device mesh, gloo on CPU and NCCL on GPU.
+One rank per process (torchrun), gloo on CPU and NCCL on GPU; a 1-D data-parallel device mesh,
+or with `tensor_parallel_size` T > 1 (allocation_mode ...dNtT) a 2-D one: DTensor tensor
+parallelism inside each replica, FSDP2 across replicas (tensor_parallel.py).
 Also where weights leave the trainer: HF checkpoints (export, disk weight sync), DCP
 checkpoints (recovery, with optimizer / LR schedule / RNG; dcp_checkpoint.py), and the NCCL
 broadcast to SGLang.
@@ -16,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
@@ -25,8 +26,9 @@ from arealite.engine.dcp_checkpoint import load_dcp, save_dcp
 from arealite.engine.hf_model import load_hf_model
 from arealite.engine.lora import adapter_weights, apply_lora, merge_lora_weights
 from arealite.engine.optimizer import build_optimizer
+from arealite.engine.tensor_parallel import TensorParallelMixin
 from arealite.utils import distributed as du
-from arealite.utils.fsdp import apply_fsdp2, iter_full_buckets, plan_buckets
+from arealite.utils.fsdp import iter_full_buckets, plan_buckets
 from arealite.utils.hardware import resolve_dtype
 from arealite.utils.save_load import (
     atomic_dir,
@@ -38,13 +40,13 @@ from arealite.utils.tensor_handles import serialize_named_tensors
 from arealite.utils.vision import checkpoint_to_module_names
 
 
-class FSDPEngine(BaseHFEngine):
+class FSDPEngine(TensorParallelMixin, BaseHFEngine):
     """`FSDPEngine(config).initialize(addr=None, ft_spec=spec)`; see BaseHFEngine for the
     training API and TrainEngine for the contract."""
 
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config)
-        self.mesh = None
+        self.mesh = self.tp_mesh = None
         self._dist_joined = False
         self._weight_group = None  # (key, group): trainer rank 0 + inference servers
 
@@ -61,7 +63,7 @@ class FSDPEngine(BaseHFEngine):
 
     def _build(self, ft_spec: FinetuneSpec | None) -> None:
         self.device = du.current_device()
-        self.mesh = init_device_mesh(self.device.type, (du.world_size(),), mesh_dim_names=("dp",))
+        self.mesh = self._device_mesh()
         fs = self.config.fsdp  # `auto` becomes what this device computes natively
         fs.param_dtype = resolve_dtype(fs.param_dtype, self.device.type, "trainer compute")
         if self.device.type == "cpu" and fs.param_dtype != "float32":
@@ -73,8 +75,7 @@ class FSDPEngine(BaseHFEngine):
         model = load_hf_model(self.config)
         if self.config.lora is not None:  # adapters first: FSDP2 then wraps the PEFT model
             model = apply_lora(model, self.config.lora)
-        self.model = apply_fsdp2(model, self.mesh, fs.param_dtype, fs.reduce_dtype,
-                                 fs.offload_params, fs.reshard_after_forward)  # fmt: skip
+        self.model = self._shard(model)  # TP in each replica (tensor_parallel.py), then FSDP2
         if self.config.optimizer is not None:
             self.optimizer, self.lr_scheduler = build_optimizer(
                 self.model, self.config.optimizer, ft_spec

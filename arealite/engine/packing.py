@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from arealite.engine import tensor_parallel
 from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
 
 
@@ -71,6 +72,11 @@ def packed_logprobs(
     """Per-token logprobs [T] (and entropies) of packed `input_ids` under `logits` [T, V] at
     `temperature`, aligned with input_ids (see module docstring); differentiable."""
     labels = torch.roll(input_ids, -1)  # label of position j is token j+1
+    if tensor_parallel.is_vocab_parallel(logits):  # never gathers the vocabulary
+        out = tensor_parallel.vocab_parallel_logprobs(logits, labels, temperature, with_entropy)
+        if with_entropy:
+            return shift_right_packed(out[0], cu_seqlens), shift_right_packed(out[1], cu_seqlens)
+        return shift_right_packed(out, cu_seqlens)
     if with_entropy:
         logp, ent = gather_logprobs_entropy(logits, labels, temperature)
         return shift_right_packed(logp, cu_seqlens), shift_right_packed(ent, cu_seqlens)

@@ -8,9 +8,11 @@ layer is its own unit (all-gathered just before use, freed after), the root hold
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -75,6 +77,8 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
+    if len({g.device_mesh for g in grads if isinstance(g, DTensor)}) > 1:
+        return _clip_across_meshes(grads, max_norm)
     if max_norm and max_norm > 0:
         norm = nn.utils.clip_grad_norm_(
             [p for p in parameters if p.grad is not None], max_norm, foreach=True
@@ -82,6 +86,32 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> float:
     else:
         norm = nn.utils.get_total_norm(grads, foreach=True)
     return _local_value(norm)
+
+
+def _copies(g: torch.Tensor, world: int) -> int:
+    """How many ranks hold each element of `g` (its local pieces, over all ranks)."""
+    if not isinstance(g, DTensor):
+        return world
+    mesh = g.device_mesh
+    rep = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_replicate())
+    return world // mesh.size() * rep
+
+
+def _clip_across_meshes(grads: list[torch.Tensor], max_norm: float) -> float:
+    """`clip_grad_norm_` for gradients on different meshes (tensor parallelism: FSDP-only
+    ones on dp, FSDP+TP ones on dp x tp), which torch's foreach norm cannot mix: each rank's
+    local squares, divided by how many ranks hold the same elements, summed over the world."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    world = dist.get_world_size()
+    sq = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    for g, x in zip(grads, local):
+        sq += x.double().pow(2).sum() / _copies(g, world)
+    dist.all_reduce(sq)
+    norm = float(sq.sqrt())
+    if max_norm and max_norm > 0 and math.isfinite(norm):
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        torch._foreach_mul_(local, coef)
+    return norm
 
 
 def full_tensor(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""Tensor parallelism (PyTorch DTensor) inside the FSDP engine: `allocation_mode=...+dNtT`.
+
+The T ranks of a tensor group hold one model replica between them, on the inner axis of a
+2-D device mesh (dp x tp); FSDP2 shards over the outer (dp) axis, torchtitan style:
+- attention: q/k/v column-wise (each rank computes heads/T query and kv heads), o row-wise
+  (its all-reduce gives every rank the full hidden state again); MLP: gate/up column-wise,
+  down row-wise. The HF modules reshape with `view(..., -1, head_dim)`, so they (and
+  varlen_attention) simply see their local heads; GQA's ratio is unchanged.
+- embedding row-wise (vocabulary rows), LM head column-wise with vocabulary-sharded logits:
+  no rank ever holds [T, V]. `vocab_parallel_logprobs` reduces max / sum-exp / the target
+  logit over the tensor group instead (the target read on the rank that owns its id).
+- the ranks of a tensor group must compute the same tokens: `replica_batch` joins their
+  batches (callers keep splitting data over all ranks, as at t1) and each keeps its rows.
+Plans exist for Qwen2 and Llama (same module names); other models are refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from arealite.utils import distributed as du
+from arealite.utils.data import concat_padded_tensors
+from arealite.utils.fsdp import apply_fsdp2
+from arealite.utils.logprobs import compute_dtype
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+def layer_plan() -> dict:
+    """One decoder layer: Megatron's column-then-row pairs, one all-reduce after each."""
+    col, row = ColwiseParallel, RowwiseParallel
+    return {
+        "self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+        "self_attn.o_proj": row(),
+        "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row(),
+    }  # fmt: skip
+
+
+def check_supported(model_config, tp: int, *, lora: bool, critic: bool) -> None:
+    """Refuse, naming the key to change, what the plans cannot shard exactly."""
+    fix = f"use allocation_mode=...t1, or a model it supports ({', '.join(SUPPORTED_MODEL_TYPES)})"
+    if lora:
+        raise ValueError(
+            f"tensor parallelism (t{tp}) with LoRA is not supported: drop lora or {fix}"
+        )
+    if critic:
+        raise ValueError(f"tensor parallelism (t{tp}) for a critic is not supported: {fix}")
+    mtype = getattr(model_config, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"tensor parallelism (t{tp}) has no plan for model_type={mtype!r}: {fix}")
+    sizes = {
+        "num_attention_heads": model_config.num_attention_heads,
+        "num_key_value_heads": model_config.num_key_value_heads,
+        "intermediate_size": model_config.intermediate_size,
+        "vocab_size": model_config.vocab_size,
+    }
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"tensor parallelism t{tp} must divide the model's {bad}: choose allocation_mode "
+            f"with a t that divides them"
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` (an HF Qwen2/Llama causal LM) in place over `tp_mesh`."""
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, layer_plan())
+    head_plan = {
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+        # local [.., V/T] logits; forward_mb wraps them as a DTensor sharded on the vocab
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+    }
+    parallelize_module(model, tp_mesh, head_plan)
+    if getattr(model.config, "tie_word_embeddings", False):  # both are Shard(0) over vocab
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def vocab_parallel(logits: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
+    """This rank's [.., V/T] logits as the vocabulary-sharded DTensor they are part of."""
+    return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False)
+
+
+def local_view(x: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (differentiable)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def is_vocab_parallel(logits: torch.Tensor) -> bool:
+    return isinstance(logits, DTensor) and logits.placements[-1] == Shard(logits.ndim - 1)
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log softmax(z)[y] and entropy, z = logits / temperature sharded over the vocabulary.
+
+    Forward: per row, the max (all-reduce MAX), then sum exp(z - max), the target logit
+    (non-zero on its owner only) and sum exp(z - max) * z in one all-reduce SUM. Backward
+    is local: the loss is the same on every rank of the group, so each rank's output
+    gradient is the whole gradient, and d/dz_k of logp and H only need p_k = exp(z_k - lse):
+        d logp / d z_k = 1[k = y] - p_k,    d H / d z_k = -p_k (log p_k + H)
+    """
+
+    @staticmethod
+    def forward(ctx, local, labels, temperature, start, group, with_entropy):
+        z = local.to(compute_dtype(local.dtype)) / temperature
+        width = z.shape[-1]
+        m = z.detach().amax(-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = (z - m[..., None]).exp()
+        owned = (labels >= start) & (labels < start + width)
+        idx = (labels - start).clamp(0, width - 1)
+        target = z.gather(-1, idx[..., None])[..., 0] * owned
+        ez = (e * z).sum(-1) if with_entropy else torch.zeros_like(m)
+        stats = torch.stack([e.sum(-1), target, ez])
+        dist.all_reduce(stats, group=group)
+        lse = m + stats[0].log()
+        logp = stats[1] - lse
+        entropy = lse - stats[2] / stats[0]
+        ctx.save_for_backward(local, idx, owned, lse, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        local, idx, owned, lse, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        logp_all = local.to(lse.dtype) / t - lse[..., None]
+        p = logp_all.exp()
+        gz = torch.zeros_like(p)
+        if grad_logp is not None:
+            g = grad_logp.to(p.dtype)[..., None]
+            gz -= p * g
+            gz.scatter_add_(-1, idx[..., None], g * owned[..., None])
+        if grad_entropy is not None:
+            gz -= grad_entropy.to(p.dtype)[..., None] * p * (logp_all + entropy[..., None])
+        return (gz / t).to(local.dtype), None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: DTensor, labels: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`gather_logprobs(_entropy)` for vocabulary-sharded logits: the same values, with at
+    most [T, V/T] per rank (a collective over the tensor group). Rows are not chunked: the
+    local slice is already 1/T of the vocabulary."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    start = mesh.get_local_rank() * local.shape[-1]  # check_supported: T divides V
+    args = (labels.long(), temperature, start, mesh.get_group(), with_entropy)
+    logp, entropy = _VocabParallelLogprob.apply(local, *args)
+    return (logp, entropy) if with_entropy else logp
+
+
+def replica_batch(input_: TensorDict, tp_mesh: DeviceMesh) -> tuple[TensorDict, slice]:
+    """The batch the tensor group computes (its ranks' batches, in rank order) and the rows
+    that are this rank's own (a collective over the group)."""
+    parts: list = [None] * tp_mesh.size()
+    dist.all_gather_object(parts, input_, group=tp_mesh.get_group())
+    me = tp_mesh.get_local_rank()
+    start = sum(p.batch_size[0] for p in parts[:me])
+    return concat_padded_tensors(parts), slice(start, start + input_.batch_size[0])
+
+
+class TensorParallelMixin:
+    """What FSDPEngine adds for tensor parallelism: the mesh, the sharding, and the two
+    BaseHFEngine hooks (`_replica_batch`, `_model_output`). Needs `self.config` (a
+    TrainEngineConfig) and `self.device`; `tp_mesh` is None without tensor parallelism."""
+
+    mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
+
+    def _device_mesh(self) -> DeviceMesh:
+        """1-D (dp) for data parallelism; 2-D (dp x tp) with `tensor_parallel_size` T > 1,
+        tp the inner axis, so a tensor group is T consecutive ranks (one node's GPUs)."""
+        tp, world = self.config.tensor_parallel_size, du.world_size()
+        if tp == 1:
+            return init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+        if world % tp:
+            raise ValueError(
+                f"allocation_mode: the trainer's t{tp} must divide its {world} ranks (d x t)"
+            )
+        mesh = init_device_mesh(self.device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.tp_mesh = mesh["tp"]
+        return mesh
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        """Tensor parallelism inside each replica first, then FSDP2 across replicas."""
+        fs, dp_mesh = self.config.fsdp, self.mesh
+        if self.tp_mesh is not None:
+            lora, critic = self.config.lora is not None, self.config.is_critic
+            check_supported(model.config, self.tp_mesh.size(), lora=lora, critic=critic)
+            model, dp_mesh = apply_tensor_parallel(model, self.tp_mesh), self.mesh["dp"]
+        return apply_fsdp2(model, dp_mesh, fs.param_dtype, fs.reduce_dtype,
+                           fs.offload_params, fs.reshard_after_forward)  # fmt: skip
+
+    def _replica_batch(self, input_: TensorDict) -> tuple[TensorDict, slice]:
+        if self.tp_mesh is None:
+            return input_, slice(None)
+        return replica_batch(input_, self.tp_mesh)
+
+    def _model_output(self, out: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is None or self.config.is_critic:
+            return out
+        return vocab_parallel(out, self.tp_mesh)

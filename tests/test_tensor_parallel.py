@@ -1,0 +1,133 @@
+"""Tensor parallelism (DTensor) in the FSDP engine: d1t2 and d2t2 over gloo equal d1t1.
+
+One torchrun launch per mesh runs every check (tests/_torchrun_tp.py): per-token logprobs and
+entropies, one SFT and one PPO step (loss, grad norm, updated weights), the HF export, and a
+DCP checkpoint written at d2t2 resumed at d1t2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _torchrun_fsdp import engine_config, full_weights, make_batch
+from _torchrun_tp import N_SEQS, ppo_batch, ppo_config
+from transformers import AutoModelForCausalLM
+
+from arealite.api.cli_args import SFTConfig
+from arealite.api.io_struct import AllocationMode
+from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.engine.sft.lm_engine import FSDPLMEngine
+from arealite.engine.tensor_parallel import check_supported
+from arealite.utils.network import find_free_port
+
+TOL = 1e-5
+
+
+def launch(model_dir: str, tmp, n_ranks: int, **flags) -> dict:
+    out = tmp / f"r{n_ranks}.pt"
+    script = os.path.join(os.path.dirname(__file__), "_torchrun_tp.py")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks),
+        "--master-port", str(find_free_port()), script, "--model", model_dir, "--out", str(out),
+        "--hf-dir", str(tmp / f"hf{n_ranks}"),
+    ]  # fmt: skip
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def meshes(tiny_model_dir, tmp_path_factory):
+    """d2t2 (4 ranks) writes a DCP checkpoint after its SFT step; d1t2 resumes from it."""
+    tmp = tmp_path_factory.mktemp("tp")
+    d2t2 = launch(tiny_model_dir, tmp, 4, save_dcp=tmp / "dcp")
+    d1t2 = launch(tiny_model_dir, tmp, 2, resume_from=tmp / "dcp")
+    return {"d2t2": d2t2, "d1t2": d1t2, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def d1t1(tiny_model_dir, tmp_path_factory):
+    """The reference: one rank, no tensor parallelism, the whole batches."""
+    out = {}
+    engine = FSDPLMEngine(engine_config(tiny_model_dir, 48))
+    engine.initialize(None, None)
+    try:
+        batch = make_batch(n=N_SEQS, seed=0)
+        out["logprobs"], out["entropy"] = engine.compute_logprobs(batch, with_entropy=True)
+        out["sft"] = engine.train_lm(batch)
+        out["sft_weights"] = full_weights(engine)
+        out["resumed"] = engine.train_lm(make_batch(n=N_SEQS, seed=1))
+        out["resumed_weights"] = full_weights(engine)
+    finally:
+        engine.destroy()
+    actor = FSDPPPOActor(ppo_config(tiny_model_dir, 1))
+    actor.initialize(None, None)
+    try:
+        out["ppo"] = actor.ppo_update(ppo_batch())
+        out["ppo_weights"] = full_weights(actor)
+    finally:
+        actor.destroy()
+    return out
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mesh", ["d1t2", "d2t2"])
+def test_tensor_parallel_equals_one_rank(meshes, d1t1, mesh):
+    got = meshes[mesh]
+    assert got["world"] == {"d1t2": 2, "d2t2": 4}[mesh]
+    for key in ("logprobs", "entropy"):
+        assert (got[key] - d1t1[key]).abs().max().item() < TOL, key
+    for step in ("sft", "ppo"):
+        assert abs(got[step]["loss"] - d1t1[step]["loss"]) < TOL, step
+        # the norm of float32 gradients summed in another order: relative 1e-5 (~2e-6 seen)
+        assert got[step]["grad_norm"] == pytest.approx(d1t1[step]["grad_norm"], rel=TOL)
+        assert max_weight_diff(got[f"{step}_weights"], d1t1[f"{step}_weights"]) < TOL, step
+    assert got["ppo"]["clip_ratio"] > 0  # the clipped branch took part
+
+
+@pytest.mark.integration
+def test_checkpoint_moves_between_meshes_and_exports_full_weights(meshes, d1t1):
+    resumed = meshes["d1t2"]  # from the checkpoint d2t2 wrote after its first step
+    assert abs(resumed["resumed"]["loss"] - d1t1["resumed"]["loss"]) < TOL
+    assert max_weight_diff(resumed["resumed_weights"], d1t1["resumed_weights"]) < TOL
+    for n in (2, 4):  # HF export after the PPO step: DTensors gathered, rank 0 writes
+        loaded = AutoModelForCausalLM.from_pretrained(meshes["tmp"] / f"hf{n}").state_dict()
+        want = d1t1["ppo_weights"]
+        assert max((loaded[k] - want[k]).abs().max().item() for k in want) < TOL
+
+
+def test_allocation_mode_sets_the_tensor_group(tiny_model_dir, tmp_path):
+    cfg = SFTConfig(
+        experiment_name="e", trial_name="t", allocation_mode="d2t2",
+        model=engine_config(tiny_model_dir), train_dataset={"path": "arith"},
+    )  # fmt: skip
+    assert cfg.model.tensor_parallel_size == 2 and cfg.allocation.train_world_size == 4
+
+
+def test_refusals_name_what_to_change(tiny_model_dir):
+    from transformers import AutoConfig
+
+    qwen = AutoConfig.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="LoRA"):
+        check_supported(qwen, 2, lora=True, critic=False)
+    with pytest.raises(ValueError, match="critic"):
+        check_supported(qwen, 2, lora=False, critic=True)
+    with pytest.raises(ValueError, match=r"num_attention_heads.*allocation_mode"):
+        check_supported(qwen, 3, lora=False, critic=False)
+    qwen.model_type = "gpt2"
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*allocation_mode=\.\.\.t1"):
+        check_supported(qwen, 2, lora=False, critic=False)
+    with pytest.raises(ValueError, match="colocated"):
+        AllocationMode.from_str("colocated+d1t2")
