@@ -198,3 +198,16 @@ def test_two_ranks_on_one_gpu_are_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert du.current_device() == torch.device("cuda", 0)
+
+
+def test_a_tensor_parallel_trainer_keeps_each_tensor_group_on_one_node(tmp_path):
+    """allocation_mode ...d2t2: 4 trainer ranks in 2 tensor groups of consecutive ranks (the
+    engine's mesh has tp inner), printed as such; a node size that would split a group across
+    nodes is refused naming the keys."""
+    cfg = config(tmp_path, "sglang.d1p1t2+d2t2", 6)
+    assert cfg.actor.tensor_parallel_size == 2
+    plan = plan_local(cfg, 6, None)
+    assert plan.servers == (("0", "1"),) and plan.trainer == ("2", "3", "4", "5")
+    assert "trainer rank 3: GPU 5 (tensor group 1, tp 1)" in plan.describe()
+    with pytest.raises(ConfigError, match=r"t4 must sit on one node.*n_gpus_per_node=6"):
+        config(tmp_path, "sglang.d1+d2t4", 6)

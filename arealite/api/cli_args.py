@@ -212,12 +212,25 @@ class BaseExperimentConfig(ConfigBase):
             self._allocation = AllocationMode.from_str(self.allocation_mode)
         except ValueError as e:
             raise ConfigError(f"allocation_mode: {e}") from None
-        for f in dataclasses.fields(self):  # every trained model: its trainer part's t
-            engine = getattr(self, f.name)
-            if isinstance(engine, TrainEngineConfig):
-                engine.tensor_parallel_size = self._allocation.train.tensor_parallel_size
+        self._set_tensor_parallel()
         if self.total_train_epochs < 1:
             raise ConfigError(f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+
+    def _set_tensor_parallel(self) -> None:
+        """Every trained model gets the trainer part's t; a tensor group (t consecutive
+        ranks) must sit on one node, so a multi-node trainer needs t | n_gpus_per_node."""
+        tp = self._allocation.train.tensor_parallel_size
+        for f in dataclasses.fields(self):
+            engine = getattr(self, f.name)
+            if isinstance(engine, TrainEngineConfig):
+                engine.tensor_parallel_size = tp
+        gpn = self.cluster.n_gpus_per_node
+        if tp > 1 and gpn and self._allocation.train_world_size > gpn and gpn % tp:
+            raise ConfigError(
+                f"allocation_mode={self.allocation_mode!r}: a tensor group of t{tp} must sit on "
+                f"one node, but cluster.n_gpus_per_node={gpn} splits the trainer's ranks "
+                "across nodes mid-group: choose a t that divides n_gpus_per_node"
+            )
 
     @property
     def allocation(self) -> AllocationMode:

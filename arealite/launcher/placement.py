@@ -44,10 +44,12 @@ def visible_devices(n_physical: int, cuda_visible: str | None) -> list[str]:
 @dataclass(frozen=True)
 class GpuPlan:
     """Device ids (CUDA_VISIBLE_DEVICES entries) of each server and of the trainer ranks;
-    trainer rank LOCAL_RANK uses the LOCAL_RANK-th of `trainer`."""
+    trainer rank LOCAL_RANK uses the LOCAL_RANK-th of `trainer`. With tensor parallelism
+    (`trainer_tp` > 1) consecutive ranks form a tensor group (the engine's mesh: tp inner)."""
 
     servers: tuple[tuple[str, ...], ...]
     trainer: tuple[str, ...]
+    trainer_tp: int = 1
 
     def server_env(self, index: int) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.servers[index])}
@@ -57,12 +59,20 @@ class GpuPlan:
 
     def describe(self) -> str:
         lines = [f"server{i}: GPU {','.join(d)}" for i, d in enumerate(self.servers)]
-        lines += [f"trainer rank {r}: GPU {d}" for r, d in enumerate(self.trainer)]
+        tp = self.trainer_tp
+        for r, d in enumerate(self.trainer):
+            where = f" (tensor group {r // tp}, tp {r % tp})" if tp > 1 else ""
+            lines.append(f"trainer rank {r}: GPU {d}{where}")
         return "GPU placement:\n  " + "\n  ".join(lines)
 
 
 def plan_gpus(
-    n_servers: int, tp: int, n_ranks: int, devices: list[str], share: bool = False
+    n_servers: int,
+    tp: int,
+    n_ranks: int,
+    devices: list[str],
+    share: bool = False,
+    trainer_tp: int = 1,
 ) -> GpuPlan:
     """Servers first (`tp` devices each: a server's whole model-parallel group), then one device
     per trainer rank, from one counter; ConfigError naming the shortfall when `devices` are too
@@ -80,7 +90,7 @@ def plan_gpus(
         )
     servers = tuple(tuple(devices[i * tp : (i + 1) * tp]) for i in range(n_servers))
     start = 0 if share else n_servers * tp
-    return GpuPlan(servers, tuple(devices[start : start + n_ranks]))
+    return GpuPlan(servers, tuple(devices[start : start + n_ranks]), trainer_tp)
 
 
 def plan_local(config, n_physical: int, cuda_visible: str | None) -> GpuPlan | None:
@@ -102,4 +112,5 @@ def plan_local(config, n_physical: int, cuda_visible: str | None) -> GpuPlan | N
     n_servers = alloc.gen_n_servers
     per_server = alloc.gen_world_size // n_servers if n_servers else 1
     share = config.cluster.share_gpus
-    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node], share)
+    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node], share,
+                     alloc.train.tensor_parallel_size)  # fmt: skip
