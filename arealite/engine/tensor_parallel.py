@@ -16,6 +16,8 @@ Plans exist for Qwen2 and Llama (same module names); other models are refused by
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -73,7 +75,10 @@ def check_supported(model_config, tp: int, *, lora: bool, critic: bool) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` (an HF Qwen2/Llama causal LM) in place over `tp_mesh`."""
+    """Shard `model` (an HF Qwen2/Llama causal LM) in place over `tp_mesh`. Quiets DTensor's
+    "2 sequential all_gather operations" warning: it concerns the full-tensor gathers of
+    export and weight sync (FSDP's strided shard under TP's), never a training step."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, layer_plan())
     head_plan = {
