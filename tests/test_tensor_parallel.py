@@ -131,3 +131,31 @@ def test_refusals_name_what_to_change(tiny_model_dir):
         check_supported(qwen, 2, lora=False, critic=False)
     with pytest.raises(ValueError, match="colocated"):
         AllocationMode.from_str("colocated+d1t2")
+
+
+def test_vocab_parallel_logprobs_equal_the_chunked_reference(build_engine, tiny_model_dir):
+    """The Function's math and chunking, on a 1-rank tensor mesh (the reductions across ranks
+    are the torchrun tests'): values and gradients of logp + entropy equal gather_logprobs's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from arealite.engine.tensor_parallel import vocab_parallel, vocab_parallel_logprobs
+    from arealite.utils import distributed as du
+    from arealite.utils.logprobs import gather_logprobs_entropy
+
+    du.init_distributed()
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(11, 37, generator=g, dtype=torch.float64) * 3
+        labels = torch.randint(0, 37, (11,), generator=g)
+        weights = torch.randn(2, 11, generator=g, dtype=torch.float64)
+        got_x, want_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        got = vocab_parallel_logprobs(vocab_parallel(got_x, mesh), labels, 0.7, True, 4)
+        want = gather_logprobs_entropy(want_x, labels, 0.7)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        sum((w * x).sum() for w, x in zip(weights, got)).backward()
+        sum((w * x).sum() for w, x in zip(weights, want)).backward()
+        torch.testing.assert_close(got_x.grad, want_x.grad, atol=1e-12, rtol=0)
+    finally:
+        du.release_distributed()

@@ -109,33 +109,37 @@ def is_vocab_parallel(logits: torch.Tensor) -> bool:
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
-    """log softmax(z)[y] and entropy, z = logits / temperature sharded over the vocabulary.
+    """log softmax(z)[y] and entropy, z = logits / temperature sharded over the vocabulary,
+    `chunk` rows at a time (as utils/logprobs.py: at most one fp32 [chunk, V/T] softmax).
 
-    Forward: per row, the max (all-reduce MAX), then sum exp(z - max), the target logit
-    (non-zero on its owner only) and sum exp(z - max) * z in one all-reduce SUM. Backward
-    is local: the loss is the same on every rank of the group, so each rank's output
-    gradient is the whole gradient, and d/dz_k of logp and H only need p_k = exp(z_k - lse):
+    Forward: per row, the max (one all-reduce MAX), then sum exp(z - max), the target logit
+    (non-zero on its owner only) and sum exp(z - max) * z (one all-reduce SUM). Backward is
+    local: the loss is the same on every rank of the group, so each rank's output gradient
+    is the whole gradient, and d/dz_k of logp and H only need p_k = exp(z_k - lse):
         d logp / d z_k = 1[k = y] - p_k,    d H / d z_k = -p_k (log p_k + H)
     """
 
     @staticmethod
-    def forward(ctx, local, labels, temperature, start, group, with_entropy):
-        z = local.to(compute_dtype(local.dtype)) / temperature
-        width = z.shape[-1]
-        m = z.detach().amax(-1)
+    def forward(ctx, local, labels, temperature, start, group, with_entropy, chunk):
+        dtype, width = compute_dtype(local.dtype), local.shape[-1]
+        rows = [slice(s, s + chunk) for s in range(0, local.shape[0], chunk)]
+        m = torch.cat([local[r].detach().amax(-1).to(dtype) / temperature for r in rows])
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = (z - m[..., None]).exp()
         owned = (labels >= start) & (labels < start + width)
         idx = (labels - start).clamp(0, width - 1)
-        target = z.gather(-1, idx[..., None])[..., 0] * owned
-        ez = (e * z).sum(-1) if with_entropy else torch.zeros_like(m)
-        stats = torch.stack([e.sum(-1), target, ez])
+        stats = torch.zeros(3, local.shape[0], dtype=dtype, device=local.device)
+        for r in rows:
+            z = local[r].to(dtype) / temperature
+            e = (z - m[r, None]).exp()
+            stats[0, r] = e.sum(-1)
+            stats[1, r] = z.gather(-1, idx[r, None])[:, 0] * owned[r]
+            if with_entropy:
+                stats[2, r] = (e * z).sum(-1)
         dist.all_reduce(stats, group=group)
         lse = m + stats[0].log()
-        logp = stats[1] - lse
-        entropy = lse - stats[2] / stats[0]
+        logp, entropy = stats[1] - lse, lse - stats[2] / stats[0]
         ctx.save_for_backward(local, idx, owned, lse, entropy)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -144,32 +148,42 @@ class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         local, idx, owned, lse, entropy = ctx.saved_tensors
-        t = ctx.temperature
-        logp_all = local.to(lse.dtype) / t - lse[..., None]
-        p = logp_all.exp()
-        gz = torch.zeros_like(p)
-        if grad_logp is not None:
-            g = grad_logp.to(p.dtype)[..., None]
-            gz -= p * g
-            gz.scatter_add_(-1, idx[..., None], g * owned[..., None])
-        if grad_entropy is not None:
-            gz -= grad_entropy.to(p.dtype)[..., None] * p * (logp_all + entropy[..., None])
-        return (gz / t).to(local.dtype), None, None, None, None, None
+        t, grad = ctx.temperature, torch.empty_like(local)
+        for s in range(0, local.shape[0], ctx.chunk):
+            r = slice(s, s + ctx.chunk)
+            logp_all = local[r].to(lse.dtype) / t - lse[r, None]
+            p = logp_all.exp()
+            gz = torch.zeros_like(p)
+            if grad_logp is not None:
+                g = grad_logp[r].to(p.dtype)[:, None]
+                gz -= p * g
+                gz.scatter_add_(-1, idx[r, None], g * owned[r, None])
+            if grad_entropy is not None:
+                g_h = grad_entropy[r].to(p.dtype)[:, None]
+                gz -= g_h * p * (logp_all + entropy[r, None])
+            grad[r] = gz / t
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
-    logits: DTensor, labels: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+    logits: DTensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 1024,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`gather_logprobs(_entropy)` for vocabulary-sharded logits: the same values, with at
-    most [T, V/T] per rank (a collective over the tensor group). Rows are not chunked: the
-    local slice is already 1/T of the vocabulary."""
+    """`gather_logprobs(_entropy)` for vocabulary-sharded logits [T, V/T per rank]: the same
+    values, a collective over the tensor group; no rank ever holds a [T, V] tensor."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     mesh = logits.device_mesh
     local = logits.to_local()
-    start = mesh.get_local_rank() * local.shape[-1]  # check_supported: T divides V
-    args = (labels.long(), temperature, start, mesh.get_group(), with_entropy)
-    logp, entropy = _VocabParallelLogprob.apply(local, *args)
+    width = local.shape[-1]
+    start = mesh.get_local_rank() * width  # check_supported: T divides V
+    args = (labels.reshape(-1).long(), temperature, start, mesh.get_group(), with_entropy)
+    flat = local.reshape(-1, width)
+    logp, entropy = _VocabParallelLogprob.apply(flat, *args, chunk_size)
+    logp, entropy = logp.view(labels.shape), entropy.view(labels.shape)
     return (logp, entropy) if with_entropy else logp
 
 
