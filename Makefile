@@ -13,10 +13,15 @@ RUN_DIR ?= runs
 DEMO_DEPS := -e .
 TEST_DEPS := -e ".[dev,ray]"
 # Install $(1) with uv, or with pip when uv is missing or fails (say, a pip-only package mirror).
-install = if [ -x $(UV) ] && $(UV) pip install -q --python $(PY) $(1); then :; \
-	else $(PIP) install -q $(1); fi
+# The venv's torch is pinned: a dependency that wants another torch fails the install instead of
+# replacing a CPU (or your CUDA) build with the registry's. Bytecode is compiled at install, as
+# pip does: where PYTHONDONTWRITEBYTECODE is set, every process would compile its imports anew.
+TORCH_PIN := $(VENV)/torch-pin.txt
+install = $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN) && \
+	if [ -x $(UV) ] && $(UV) pip install -q --compile-bytecode --python $(PY) -c $(TORCH_PIN) $(1); \
+	then :; else $(PIP) install -q -c $(TORCH_PIN) $(1); fi
 
-.PHONY: setup setup-demo setup-vllm setup-slurm test test-fast lint demo bench clean
+.PHONY: setup setup-demo setup-vllm setup-slurm test test-fast lint demo demo-long bench clean
 
 setup: $(VENV)/.installed
 setup-demo: $(VENV)/.installed-demo
@@ -59,6 +64,10 @@ test-fast: setup
 
 demo: setup-demo
 	bash examples/run_arith_demo.sh $(RUN_DIR)
+
+# The second demo: long, long-tailed worked sums (the regime asynchronous RL exists for).
+demo-long: setup-demo
+	DEMO_TASK=long_sums bash examples/run_arith_demo.sh $(RUN_DIR)
 
 bench: setup
 	$(PY) bench/rollout_throughput.py
