@@ -21,7 +21,7 @@ install = $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORC
 	if [ -x $(UV) ] && $(UV) pip install -q --compile-bytecode --python $(PY) -c $(TORCH_PIN) $(1); \
 	then :; else $(PIP) install -q -c $(TORCH_PIN) $(1); fi
 
-.PHONY: setup setup-demo setup-vllm setup-slurm test test-fast lint demo bench clean
+.PHONY: setup setup-demo setup-vllm setup-slurm test test-fast lint demo demo-long bench clean
 
 setup: $(VENV)/.installed
 setup-demo: $(VENV)/.installed-demo
@@ -64,6 +64,10 @@ test-fast: setup
 
 demo: setup-demo
 	bash examples/run_arith_demo.sh $(RUN_DIR)
+
+# The second demo: long, long-tailed worked sums (the regime asynchronous RL exists for).
+demo-long: setup-demo
+	DEMO_TASK=long_sums bash examples/run_arith_demo.sh $(RUN_DIR)
 
 bench: setup
 	$(PY) bench/rollout_throughput.py

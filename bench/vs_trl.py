@@ -178,7 +178,7 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
     from arealite.tasks.arith import last_integer
 
     tok = AutoTokenizer.from_pretrained(model)
-    train = task.rows("train", 20000).map(lambda r: {"prompt": r["messages"]})
+    train = task.rows("train", 10000).map(lambda r: {"prompt": r["messages"]})
     test = list(task.rows("test", 200))
     device = "cuda" if gpu else "cpu"
     dtype = getattr(torch, resolve_dtype("auto", device))

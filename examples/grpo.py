@@ -35,6 +35,7 @@ from arealite.reward import make_reward_pool
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.rollout.record import EpisodeRecorder, RecordedBatches, check_recording
+from arealite.rollout.server_load import ServerLoadMeter
 from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 from arealite.tasks import default_reward, is_vision_dataset, load_rows
 from arealite.trainer.evaluator import Evaluator
@@ -192,6 +193,7 @@ class ServerRollouts:
                 skip_max_prob=config.actor.dynamic_sampling_skip_max_prob,
                 seed=config.seed + rank,
             )
+        self.load_meter = ServerLoadMeter(engine)
         # The iterator starts at the first batch: after recover.load() restored the loader's
         # position (an iterator made earlier would start the epoch again).
         self.loader, self.data_iter = loader, None
@@ -227,6 +229,7 @@ class ServerRollouts:
         stats.update({f"rollout/{k}": v for k, v in self.workflow.reward_stats.items()})
         # Accepted past the staleness bound while over-provisioning for refusals, so dropped.
         stats["rollout/surplus_total"] = self.executor.stats()["surplus"]
+        stats.update(self.load_meter.step_stats())
         if hasattr(self.reward_pool, "component_stats"):  # a weighted sum: each reward's mean
             stats.update(self.reward_pool.component_stats())
         return stats

@@ -139,3 +139,17 @@ def test_grpo_on_two_ranks_without_a_server(tmp_path, tiny_model_dir):
     assert "eval/accuracy" in records[-1]
     assert sorted(os.listdir(run / "logs")) == ["trainer.log"]  # no server was started
     assert versions == {0, 1, 2}, versions
+
+
+def test_server_load_meter_counts_the_batched_steps_of_a_group(engine):
+    from arealite.rollout.server_load import ServerLoadMeter
+
+    meter = ServerLoadMeter(engine)
+    outs = asyncio.run(engine.agenerate_group(requests_for(PROMPTS, max_new_tokens=6)))
+    stats = meter.step_stats()
+    # Rows per batched step: the 4 requests decode together until each stops (at most 4 rows).
+    assert 1.0 <= stats["rollout/server_batch_rows"] <= len(PROMPTS)
+    assert sum(o.output_len for o in outs) >= stats["rollout/server_batch_rows"]
+    assert 0.0 < stats["rollout/server_busy_frac"] <= 1.0
+    assert stats["rollout/interrupted_requests"] == 0.0
+    assert meter.step_stats()["rollout/server_batch_rows"] == 0.0  # nothing since: no steps

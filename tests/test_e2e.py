@@ -145,6 +145,20 @@ def test_async_grpo_metrics_every_step(async_run):
     assert all(0.0 <= records[s]["eval/accuracy"] <= 1.0 for s in (1, 2))
 
 
+def test_async_grpo_logs_the_regime(async_run):
+    """Output lengths, old-policy tokens, resumed sequences and the server's batch occupancy."""
+    records = read_metrics(async_run[0])
+    for r in records:
+        assert 1 <= r["gen_len_p50"] <= r["gen_len_p90"] <= r["gen_len_max"] <= 4, r
+        assert 0.0 <= r["off_policy_token_frac"] <= 1.0 and 0.0 <= r["resumed_seq_frac"] <= 1.0
+        assert r["rollout/server_batch_rows"] >= 1 and 0 < r["rollout/server_busy_frac"] <= 1, r
+        assert r["rollout/interrupted_requests"] >= 0
+    assert records[0]["off_policy_token_frac"] == 0.0  # step 0 trains on version 0's tokens
+    # Staleness >= 1 somewhere means some trained tokens came from an older policy.
+    stale = [r for r in records if r["staleness_max"] >= 1]
+    assert all(r["off_policy_token_frac"] > 0 for r in stale)
+
+
 def test_async_grpo_server_served_new_weights(async_run):
     run_dir, _ = async_run
     assert server_versions(run_dir) == [1, 2, 3]

@@ -16,9 +16,9 @@ from arealite.tasks import get_custom_dataset
 from arealite.tasks.long_sums import (
     generate_problems,
     long_sums_reward_fn,
-    operand_count_weights,
     prompt_text,
     scratchpad,
+    term_count_weights,
 )
 
 
@@ -28,17 +28,17 @@ def tokenizer(tiny_model_dir):
 
 
 def test_scratchpad_is_worked_line_by_line_and_ends_with_the_total():
-    assert prompt_text([7, 3, 9, 1]) == "a7\nb3\nc9\nd1"
-    assert scratchpad([7, 3, 9, 1]) == "b3: 7+3=10\nc9: 10+9=19\nd1: 19+1=20\n#### 20"
-    for ops in generate_problems(300, seed=4):
-        lines = scratchpad(ops).split("\n")
-        assert len(lines) == len(ops)  # one line per partial sum, then the answer
-        assert lines[-1] == f"#### {sum(ops)}"
-        for line in lines[:-1]:
-            label, work = line.split(": ")
+    assert prompt_text(37, 7, 3) == "37+7*3"
+    assert scratchpad(37, 7, 3) == "1: 37+7=44\n2: 44+7=51\n3: 51+7=58\n#### 58"
+    for start, digit, terms in generate_problems(300, seed=4):
+        lines = scratchpad(start, digit, terms).split("\n")
+        assert len(lines) == terms + 1  # one line per partial sum, then the answer
+        assert lines[-1] == f"#### {start + digit * terms}"
+        for i, line in enumerate(lines[:-1], 1):
+            count, work = line.split(": ")
             left, total = work.split("=")
             a, b = left.split("+")
-            assert int(a) + int(b) == int(total) and label[1:] == b
+            assert int(count) == i and int(b) == digit and int(a) + digit == int(total)
 
 
 def test_output_lengths_spread_over_ten_times_with_a_long_tail(tokenizer):
@@ -46,24 +46,28 @@ def test_output_lengths_spread_over_ten_times_with_a_long_tail(tokenizer):
     lengths = sorted(sum(r["loss_mask"]) for r in ds)
     p50, p90 = lengths[len(lengths) // 2], lengths[9 * len(lengths) // 10]
     assert lengths[-1] >= 10 * lengths[0]
-    assert 150 <= lengths[-1] <= 256  # the longest worked answer stays under max_new_tokens
-    assert p90 >= 2 * p50  # a long tail: the batch's longest is far from its median
-    weights = operand_count_weights(2, 20, 1.2)
+    assert 200 <= lengths[-1] <= 256  # the longest worked answer stays under max_new_tokens
+    assert p90 >= 3 * p50  # a long tail: the batch's longest is far from its median
+    weights = term_count_weights(1, 18, 1.1)
     assert weights == sorted(weights, reverse=True) and abs(sum(weights) - 1) < 1e-9
 
 
 def test_splits_never_share_a_problem_and_rows_are_seeded():
-    train = {prompt_text(o) for s in (0, 1) for o in generate_problems(4000, seed=s)}
-    test = {prompt_text(o) for o in generate_problems(500, seed=0, split="test")}
+    train = {prompt_text(*p) for s in (0, 1) for p in generate_problems(5000, seed=s)}
+    test = {prompt_text(*p) for p in generate_problems(500, seed=0, split="test")}
     assert not train & test
     a = get_custom_dataset("long_sums", 0, 1, size=50, seed=3)
     assert a[:] == get_custom_dataset("long_sums", 0, 1, size=50, seed=3)[:]
-    assert a[0]["answer"] == str(sum(int(line[1:]) for line in a[0]["messages"][0]["content"].split()))
+    start, rest = a[0]["messages"][0]["content"].split("+")
+    digit, terms = rest.split("*")
+    assert a[0]["answer"] == str(int(start) + int(digit) * int(terms))
 
 
 def test_bad_options_name_the_option():
-    with pytest.raises(ValueError, match="max_operands"):
-        generate_problems(10, max_operands=27)
+    with pytest.raises(ValueError, match="max_terms"):
+        generate_problems(10, max_terms=41)
+    with pytest.raises(ValueError, match="distinct problems"):
+        generate_problems(500, max_terms=2, test_fraction=0.01, split="test")
     with pytest.raises(ValueError, match="tail"):
         generate_problems(10, tail=-1)
     with pytest.raises(ValueError, match="split"):
@@ -71,14 +75,14 @@ def test_bad_options_name_the_option():
 
 
 def test_reward_checks_the_final_answer_only():
-    row = {"answer": "20"}
+    row = {"answer": "58"}
 
     def score(text: str) -> float:
         return long_sums_reward_fn.score(RewardInput("", text, [], [], row))
 
-    assert score("b3: 7+3=10\nc9: 10+9=19\nd1: 19+1=20\n#### 20") == 1.0
-    assert score("b: 7+3=11\nc: 11+9=21\n#### 20") == 1.0  # a wrong pad, the right total
-    assert score("b: 7+3=10\nc: 10+9=19\nd: 19+1=20\n#### 21") == 0.0
+    assert score("1: 37+7=44\n2: 44+7=51\n3: 51+7=58\n#### 58") == 1.0
+    assert score("1: 37+7=45\n#### 58") == 1.0  # a wrong pad, the right total
+    assert score("1: 37+7=44\n2: 44+7=51\n3: 51+7=58\n#### 59") == 0.0
     assert score("no number") == 0.0
 
 
