@@ -41,7 +41,7 @@ def term_count_weights(min_terms: int, max_terms: int, tail: float) -> list[floa
 
 
 def prompt_text(start: int, digit: int, terms: int) -> str:
-    """"37+7*12": `digit` added `terms` times to `start`."""
+    """ "37+7*12": `digit` added `terms` times to `start`."""
     return f"{start}+{digit}*{terms}"
 
 
