@@ -115,7 +115,7 @@ def make_evaluation(config, rank, world, tokenizer, workflow_cls, processor=None
     def accuracy() -> float:
         batch = executor.rollout_batch(rows, workflow)
         if pool is not None:  # an evaluation in which every reward call failed stops the run
-            pool.end_step()
+            pool.end_step("evaluation")
         correct = torch.tensor([float(batch["rewards"].sum()), float(len(rows))])
         if world > 1:
             dist.all_reduce(correct)

@@ -60,6 +60,10 @@ def test_a_step_with_one_success_or_no_calls_runs_on_and_n_steps_in_a_row_stop()
     errors.failed("KeyError", KeyError("x"))
     with pytest.raises(RewardFailFastError, match=r"calls in a step failed \(2 steps in a row\)"):
         errors.end_step()
+    evaluation = RewardErrors("r", FailFast(max_error_rate=1.0))
+    evaluation.failed("KeyError", KeyError("x"))
+    with pytest.raises(RewardFailFastError, match="all 1 of its calls in an evaluation failed"):
+        evaluation.end_step("evaluation")
     off = RewardErrors("r", FailFast(steps=0, max_error_rate=1.0))
     off.failed("KeyError", KeyError("x"))
     off.end_step()  # 0 = off

@@ -282,10 +282,10 @@ class RewardPool:
         if drained:
             gen.kill()
 
-    def end_step(self) -> None:
+    def end_step(self, what: str = "step") -> None:
         """The trainer's step boundary: raises RewardFailFastError when every call of the step
         failed (the rule: arealite/utils/reward_errors.py)."""
-        self.errors.end_step()
+        self.errors.end_step(what)
 
     def worker_pids(self) -> list[int]:
         """Pids of live worker processes (monitoring; stuck workers show up here)."""

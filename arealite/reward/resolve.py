@@ -182,10 +182,10 @@ class WeightedRewardPool:
         self._counts = dict.fromkeys(self._counts, 0)
         return out
 
-    def end_step(self) -> None:
+    def end_step(self, what: str = "step") -> None:
         """The trainer's step boundary, for each component (each judged on its own calls)."""
         for _, _, p in self.components:
-            p.end_step()
+            p.end_step(what)
 
     def close(self) -> None:
         for _, _, p in self.components:

@@ -96,10 +96,11 @@ class RewardErrors:
                            self.calls)  # fmt: skip
         self._check()
 
-    def end_step(self) -> None:
-        """The trainer's step boundary: its batch is complete. Raise if every reward call since
-        the previous boundary failed (in `policy.steps` such steps in a row); a step without
-        calls (its episodes were scored earlier) changes nothing."""
+    def end_step(self, what: str = "step") -> None:
+        """The trainer's step boundary: its batch is complete (`what`: "step", or "evaluation"
+        for a held-out pass). Raise if every reward call since the previous boundary failed (in
+        `policy.steps` such steps in a row); a step without calls (its episodes were scored
+        earlier) changes nothing."""
         with self._lock:
             calls, failed = self._step_calls, self._step_failed
             self._step_calls = self._step_failed = 0
@@ -109,7 +110,8 @@ class RewardErrors:
         self._failed_steps = self._failed_steps + 1 if failed == calls else 0
         if self.tripped is None and self._failed_steps >= p.steps:
             in_row = f" ({p.steps} steps in a row)" if p.steps > 1 else ""
-            self.tripped = f"all {calls} of its calls in a step failed{in_row}"
+            article = "an" if what[0] in "aeiou" else "a"
+            self.tripped = f"all {calls} of its calls in {article} {what} failed{in_row}"
         if self.tripped is not None:
             raise RewardFailFastError(self.describe())
 
