@@ -35,23 +35,16 @@ SCRIPT = textwrap.dedent(
             return [await p("p", "c", [1], [2]) for p in pools]
 
         print(asyncio.run(score()), flush=True)
-        if sys.argv[1] == "close":
-            pools[0].close()  # one closed by its owner, the others left to the exit hook
+        pools[0].close()  # one closed by its owner, the others left to the exit hook
     """
 )
 
 
-def run(tmp_path, how: str) -> subprocess.CompletedProcess:
+def test_pools_closed_or_left_open_leave_no_manager_thread_for_the_exit_hook(tmp_path):
     script = tmp_path / "uses_pools.py"
     script.write_text(SCRIPT.format(tests=TESTS))
-    return subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-
-
-def test_pools_left_open_or_closed_leave_no_manager_thread_for_the_exit_hook(tmp_path):
-    for how in ("open", "close"):
-        p = run(tmp_path, how)
-        assert p.returncode == 0, p.stderr
-        assert "[1.0, 1.0, 1.0]" in p.stdout
-        assert "manager threads alive at exit: 0" in p.stdout, p.stdout + p.stderr
-        assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "[1.0, 1.0, 1.0]" in p.stdout
+    assert "manager threads alive at exit: 0" in p.stdout, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
