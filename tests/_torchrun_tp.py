@@ -94,6 +94,28 @@ def ppo_check(model_dir: str, tp: int, rank: int, world: int, hf_dir: str) -> di
     return out
 
 
+def critic_step(model_dir: str, tp: int, rank: int, world: int) -> dict:
+    """A critic's values and one value-loss step (tensor-parallel backbone, whole head)."""
+    from _torchrun_fsdp import critic_batch
+
+    from arealite.api.cli_args import PPOCriticConfig
+    from arealite.engine.ppo.critic import FSDPPPOCritic
+
+    base = engine_config(model_dir, 48)
+    keys = ("path", "fsdp", "mb_spec", "optimizer")
+    critic = FSDPPPOCritic(
+        PPOCriticConfig(**{k: getattr(base, k) for k in keys}, tensor_parallel_size=tp)
+    )
+    critic.initialize(None, None)
+    batch = critic_batch(0)[rank_slice(N_SEQS, rank, world)]
+    batch["values"] = critic.compute_values(batch)
+    out = {"values": {"all": gather_rows(batch["values"]) if world > 1 else batch["values"]}}
+    out["critic"] = critic.ppo_update(batch)
+    out["critic_weights"] = full_weights(critic)
+    critic.destroy()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -112,6 +134,7 @@ def main() -> None:
     out.update(ppo_check(a.model, a.tp, rank, world, a.hf_dir))
     if a.resume_from:
         out.update(resume_check(a.model, a.tp, rank, world, a.resume_from))
+        out.update(critic_step(a.model, a.tp, rank, world))
     if rank == 0:
         torch.save(out, a.out)
     du.release_distributed()

@@ -14,12 +14,13 @@ import sys
 import pytest
 import torch
 from _torchrun_fsdp import engine_config, full_weights, make_batch
-from _torchrun_tp import N_SEQS, ppo_batch, ppo_config
+from _torchrun_tp import N_SEQS, critic_step, ppo_batch, ppo_config
 from transformers import AutoModelForCausalLM
 
 from arealite.api.cli_args import SFTConfig
 from arealite.api.io_struct import AllocationMode
 from arealite.engine.ppo.actor import FSDPPPOActor
+from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.engine.tensor_parallel import check_supported
 from arealite.utils.network import find_free_port
@@ -67,6 +68,7 @@ def d1t1(tiny_model_dir, tmp_path_factory):
         out["resumed_weights"] = full_weights(engine)
     finally:
         engine.destroy()
+    out.update(critic_step(tiny_model_dir, 1, 0, 1))
     actor = FSDPPPOActor(ppo_config(tiny_model_dir, 1))
     actor.initialize(None, None)
     try:
@@ -95,6 +97,11 @@ def test_tensor_parallel_equals_one_rank(meshes, d1t1, mesh):
         assert got[step]["grad_norm"] == pytest.approx(d1t1[step]["grad_norm"], rel=TOL)
         assert max_weight_diff(got[f"{step}_weights"], d1t1[f"{step}_weights"]) < TOL, step
     assert got["ppo"]["clip_ratio"] > 0  # the clipped branch took part
+    if mesh == "d1t2":  # a critic: the backbone sharded, the value head whole
+        for key in ("values", "critic_weights"):
+            assert max_weight_diff(got[key], d1t1[key]) < TOL, key
+        for stat in ("value_loss", "value_grad_norm"):
+            assert got["critic"][stat] == pytest.approx(d1t1["critic"][stat], rel=TOL, abs=TOL)
 
 
 @pytest.mark.integration
@@ -121,16 +128,16 @@ def test_refusals_name_what_to_change(tiny_model_dir):
 
     qwen = AutoConfig.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="LoRA"):
-        check_supported(qwen, 2, lora=True, critic=False)
-    with pytest.raises(ValueError, match="critic"):
-        check_supported(qwen, 2, lora=False, critic=True)
+        check_supported(qwen, 2, lora=True)
     with pytest.raises(ValueError, match=r"num_attention_heads.*allocation_mode"):
-        check_supported(qwen, 3, lora=False, critic=False)
+        check_supported(qwen, 3, lora=False)
     qwen.model_type = "gpt2"
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*allocation_mode=\.\.\.t1"):
-        check_supported(qwen, 2, lora=False, critic=False)
+        check_supported(qwen, 2, lora=False)
     with pytest.raises(ValueError, match="colocated"):
         AllocationMode.from_str("colocated+d1t2")
+    with pytest.raises(ValueError, match="allocation_mode=dN"):  # scalar-head reward model
+        FSDPRewardModel(engine_config(tiny_model_dir, is_critic=True, tensor_parallel_size=2))
 
 
 def test_vocab_parallel_logprobs_equal_the_chunked_reference(build_engine, tiny_model_dir):

@@ -11,7 +11,8 @@ The T ranks of a tensor group hold one model replica between them, on the inner 
   logit over the tensor group instead (the target read on the rank that owns its id).
 - the ranks of a tensor group must compute the same tokens: `replica_batch` joins their
   batches (callers keep splitting data over all ranks, as at t1) and each keeps its rows.
-Plans exist for Qwen2 and Llama (same module names); other models are refused by name.
+Plans exist for Qwen2 and Llama (same module names), causal LMs and critics (the value head
+stays whole); other models, and LoRA, are refused by name.
 """
 
 from __future__ import annotations
@@ -48,15 +49,13 @@ def layer_plan() -> dict:
     }  # fmt: skip
 
 
-def check_supported(model_config, tp: int, *, lora: bool, critic: bool) -> None:
+def check_supported(model_config, tp: int, *, lora: bool) -> None:
     """Refuse, naming the key to change, what the plans cannot shard exactly."""
     fix = f"use allocation_mode=...t1, or a model it supports ({', '.join(SUPPORTED_MODEL_TYPES)})"
     if lora:
         raise ValueError(
             f"tensor parallelism (t{tp}) with LoRA is not supported: drop lora or {fix}"
         )
-    if critic:
-        raise ValueError(f"tensor parallelism (t{tp}) for a critic is not supported: {fix}")
     mtype = getattr(model_config, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"tensor parallelism (t{tp}) has no plan for model_type={mtype!r}: {fix}")
@@ -75,9 +74,10 @@ def check_supported(model_config, tp: int, *, lora: bool, critic: bool) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` (an HF Qwen2/Llama causal LM) in place over `tp_mesh`. Quiets DTensor's
-    "2 sequential all_gather operations" warning: it concerns the full-tensor gathers of
-    export and weight sync (FSDP's strided shard under TP's), never a training step."""
+    """Shard `model` (an HF Qwen2/Llama causal LM, or a critic's backbone: its 1-output value
+    head stays whole) in place over `tp_mesh`. Quiets DTensor's "2 sequential all_gather
+    operations" warning: it concerns the full-tensor gathers of export and weight sync
+    (FSDP's strided shard under TP's), never a training step."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, layer_plan())
@@ -85,12 +85,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         "model.embed_tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Replicate()
         ),
-        # local [.., V/T] logits; forward_mb wraps them as a DTensor sharded on the vocab
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
     }
+    if hasattr(model, "lm_head"):  # local [.., V/T] logits: forward_mb makes them a DTensor
+        head_plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)
     parallelize_module(model, tp_mesh, head_plan)
-    if getattr(model.config, "tie_word_embeddings", False):  # both are Shard(0) over vocab
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if "lm_head" in head_plan and getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight  # both Shard(0) over vocab
     return model
 
 
@@ -223,8 +223,7 @@ class TensorParallelMixin:
         """Tensor parallelism inside each replica first, then FSDP2 across replicas."""
         fs, dp_mesh = self.config.fsdp, self.mesh
         if self.tp_mesh is not None:
-            lora, critic = self.config.lora is not None, self.config.is_critic
-            check_supported(model.config, self.tp_mesh.size(), lora=lora, critic=critic)
+            check_supported(model.config, self.tp_mesh.size(), lora=self.config.lora is not None)
             model, dp_mesh = apply_tensor_parallel(model, self.tp_mesh), self.mesh["dp"]
         return apply_fsdp2(model, dp_mesh, fs.param_dtype, fs.reduce_dtype,
                            fs.offload_params, fs.reshard_after_forward)  # fmt: skip

@@ -56,6 +56,8 @@ class FSDPRewardModel(FSDPEngine):
     `score(batch)` gives one reward per ordinary (prompt + completion) row."""
 
     def __init__(self, config: TrainEngineConfig):
+        if config.tensor_parallel_size > 1:  # forward(output_seqlens=...) reads own rows only
+            raise ValueError("a reward model trains without tensor parallelism: allocation_mode=dN")
         self._check_config(config)
         super().__init__(config)
 
