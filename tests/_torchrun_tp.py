@@ -59,11 +59,24 @@ def sft_checks(model_dir: str, tp: int, rank: int, world: int, dcp_dir: str | No
     logp, ent = engine.compute_logprobs(mine, with_entropy=True)
     out = {"logprobs": gather_rows(logp), "entropy": gather_rows(ent)}
     out["sft"] = engine.train_lm(mine)
+    out["bad_batch_error"] = bad_batch_error(engine, rank, world)
     out["sft_weights"] = full_weights(engine)
     if dcp_dir:
         engine.save(SaveLoadMeta(path=dcp_dir, weight_format="dcp", with_optim=True))
     engine.destroy()
     return out
+
+
+def bad_batch_error(engine, rank: int, world: int) -> str | None:
+    """The last rank's batch has a key the others lack: every rank must raise, none hang."""
+    bad = make_batch(n=2, seed=5)
+    if rank == world - 1:
+        bad["extra"] = bad["loss_mask"].clone()
+    try:
+        engine.train_lm(bad)
+    except Exception as e:  # recorded for the test to check
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def resume_check(model_dir: str, tp: int, rank: int, world: int, dcp_dir: str) -> dict:

@@ -97,6 +97,9 @@ def test_tensor_parallel_equals_one_rank(meshes, d1t1, mesh):
         assert got[step]["grad_norm"] == pytest.approx(d1t1[step]["grad_norm"], rel=TOL)
         assert max_weight_diff(got[f"{step}_weights"], d1t1[f"{step}_weights"]) < TOL, step
     assert got["ppo"]["clip_ratio"] > 0  # the clipped branch took part
+    # the last rank's batch had an extra key: its tensor group raised, and so did every other
+    err = got["bad_batch_error"]
+    assert err is not None and ("'extra'" in err or "rank(s) [2, 3]" in err), err
     if mesh == "d1t2":  # a critic: the backbone sharded, the value head whole
         for key in ("values", "critic_weights"):
             assert max_weight_diff(got[key], d1t1[key]) < TOL, key

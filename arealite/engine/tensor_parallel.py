@@ -189,12 +189,19 @@ def vocab_parallel_logprobs(
 
 def replica_batch(input_: TensorDict, tp_mesh: DeviceMesh) -> tuple[TensorDict, slice]:
     """The batch the tensor group computes (its ranks' batches, in rank order) and the rows
-    that are this rank's own (a collective over the group)."""
+    that are this rank's own (a collective). Batches that cannot be joined (other keys) raise
+    on every rank of the world, not only in this group, which would leave the rest hanging."""
     parts: list = [None] * tp_mesh.size()
     dist.all_gather_object(parts, input_, group=tp_mesh.get_group())
     me = tp_mesh.get_local_rank()
     start = sum(p.batch_size[0] for p in parts[:me])
-    return concat_padded_tensors(parts), slice(start, start + input_.batch_size[0])
+    joined, error = None, None
+    try:
+        joined = concat_padded_tensors(parts)
+    except ValueError as e:
+        error = ValueError(f"the batches of a tensor group differ: {e}")
+    du.raise_if_any_rank_failed(error)
+    return joined, slice(start, start + input_.batch_size[0])
 
 
 class TensorParallelMixin:
