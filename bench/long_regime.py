@@ -32,7 +32,7 @@ re-run), tables, and WORKDIR/long_regime.png (accuracy vs wall time per arm and 
 minibatches, part b 5 minutes each.
 
     python bench/long_regime.py [--quick] [--parts a,b,c] [--seeds 1,2,3] [--budget 300]
-        [--eval-secs 30] [--target 0.35] [--trl-minutes 10] [--arms ...] [--workdir DIR]
+        [--eval-secs 30] [--target 0.30] [--lr 2e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -196,9 +196,10 @@ def vs_trl(model: str, args) -> None:
     """Part b: TRL and arealite (this config, its server) on long_sums, seed by seed."""
     task, runs = TASKS["long_sums"], []
     for seed in args.seeds:
-        runs.append(run_trl(model, seed, args.trl_minutes, args.workdir, 0, task_name="long_sums"))
+        runs.append(run_trl(model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr,
+                            task_name="long_sums"))  # fmt: skip
         runs.append(run_arealite(model, seed, args.trl_minutes, args.workdir, 0, extra=[],
-                                 task=task))  # fmt: skip
+                                 lr=args.lr, task=task))  # fmt: skip
     compare(runs, task.levels)
 
 
@@ -216,7 +217,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", default=None, help="comma-separated (1,2,3; quick 1)")
     p.add_argument("--budget", type=float, default=None, help="seconds per run (300; quick 180)")
     p.add_argument("--eval-secs", type=int, default=30, help="evaluation period (seconds)")
-    p.add_argument("--target", type=float, default=0.35, help="part a's fixed accuracy")
+    p.add_argument("--target", type=float, default=0.30, help="part a's fixed accuracy")
+    p.add_argument("--lr", type=float, default=2e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")
     p.add_argument("--model-path", default=None, help="warm start (default: build one)")
