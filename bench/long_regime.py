@@ -17,8 +17,9 @@ Parts (`--parts a,b,c`):
   a. async (eta 1, 2, 4, 8) vs synchronous (eta 0), all decoupled with one minibatch: steps/s
      and time to `--target` held-out accuracy, ratios sync / async per seed;
   b. TRL's GRPOTrainer (bench/vs_trl.py, same batch, lr, max length, warm start) vs arealite
-     (this config, colocated generation off: the demo's server) for `--trl-minutes`: time to TRL's
-     final accuracy as a fraction of TRL's time, per seed;
+     (this config and its server, plus `--arealite-args`) for `--trl-minutes`: time to TRL's
+     final accuracy as a fraction of TRL's time, per seed (TRL's clock leaves out its own
+     evaluations; arealite's includes its, which run on its server);
   c. the staleness ablation: eta in {0, 2, 4, 8, 16} x {decoupled, naive} x minibatches {1, 4},
      plus `unclipped` at eta 4 and 8: accuracy, behaviour KL(behaviour || current), spread of the
      importance weights, clipped and capped fractions.
@@ -107,6 +108,9 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
         "arm": arm, "eta": eta, "loss": loss, "minibatches": mb, "seed": seed,
         "budget_s": args.budget, "steps": len(recs),
         "steps_per_s": round((len(wall) - 1) / max(wall[-1] - wall[0], 1e-9), 4),
+        # Trained (generated) tokens per second: steps/s alone rewards an arm whose answers got
+        # shorter, and the policy's lengths drift differently in every run.
+        "tokens_per_s": round(sum(r.get("n_tokens", 0) for r in later) / max(wall[-1] - wall[0], 1e-9), 1),
         "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
         "acc_before": evals[0][2], "acc_end": evals[-1][2], "target": args.target,
         "time_to_target_s": hit[0], "steps_to_target": hit[1],
@@ -147,12 +151,13 @@ def async_vs_sync(results: list[dict]) -> None:
              sync_time_to_target_s=t_sync, async_time_to_target_s=t_async,
              time_ratio_sync_over_async=round(t_sync / t_async, 2) if t_sync and t_async else None,
              steps_per_s_ratio=round(r["steps_per_s"] / base["steps_per_s"], 2),
+             tokens_per_s_ratio=round(r["tokens_per_s"] / max(base["tokens_per_s"], 1e-9), 2),
              within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)))  # fmt: skip
 
 
 def arm_table(results: list[dict]) -> None:
     """Mean (and std over seeds) per arm, as JSON lines and a markdown table."""
-    keys = ("acc_end", "time_to_target_s", "steps_per_s", "behave_kl_k1", "imp_weight_std",
+    keys = ("acc_end", "time_to_target_s", "steps_per_s", "tokens_per_s", "behave_kl_k1", "imp_weight_std",
             "capped_frac", "clip_ratio", "off_policy_token_frac", "resumed_seq_frac",
             "gen_len_p50", "gen_len_p90", "gen_len_max", "server_busy_frac")  # fmt: skip
     print("| arm | seeds | " + " | ".join(keys) + " |")
@@ -198,8 +203,8 @@ def vs_trl(model: str, args) -> None:
     for seed in args.seeds:
         runs.append(run_trl(model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr,
                             task_name="long_sums"))  # fmt: skip
-        runs.append(run_arealite(model, seed, args.trl_minutes, args.workdir, 0, extra=[],
-                                 lr=args.lr, task=task))  # fmt: skip
+        runs.append(run_arealite(model, seed, args.trl_minutes, args.workdir, 0,
+                                 extra=args.arealite_args.split(), lr=args.lr, task=task))  # fmt: skip
     compare(runs, task.levels)
 
 
@@ -221,6 +226,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")
+    p.add_argument("--arealite-args", default="", help="part b: overrides for arealite's arm")
     p.add_argument("--model-path", default=None, help="warm start (default: build one)")
     p.add_argument("--workdir", default=None, help="results and runs (resumable)")
     args = p.parse_args()
