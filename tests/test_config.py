@@ -106,6 +106,7 @@ def test_derived_keys_follow_the_users_key(grpo_yaml):
         ("ref.group_size=4", "gconfig.n_samples"),
         ("rollout.consumer_batch_size=8", "train_dataset.batch_size"),
         ("async_training=false", "rollout.max_head_offpolicyness"),
+        ("rollout.reward_fail_fast_calls=64", "rollout.reward_fail_fast_steps"),
     ],
 )
 def test_removed_keys_name_the_key_to_set(grpo_yaml, tmp_path, key, instead):

@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING_KEYS = ("wall_time", "time")  # prefixes of keys that legitimately differ between runs
+# Prefixes of keys that legitimately differ between runs: timings, and the servers' batching
+# (rows per batched step, busy share, requests aborted), which follows when requests arrive.
+TIMING_KEYS = ("wall_time", "time", "rollout/server_", "rollout/interrupted_requests")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -114,7 +114,9 @@ def test_builtin_rewards_by_short_name_are_the_tasks_rewards():
     assert resolve_reward("clevr_count") is clevr_count_reward_fn
     for name, task in TASKS.items():
         assert resolve_reward(default_reward(name)) is task.reward
-    with pytest.raises(RewardSpecError, match=r"'arith', 'clevr_count', 'gsm8k', 'math_verify'"):
+    with pytest.raises(
+        RewardSpecError, match=r"'arith', 'clevr_count', 'gsm8k', 'long_sums', 'math_verify'"
+    ):
         resolve_reward("nope")
 
 

@@ -63,6 +63,8 @@ def derived_from(source: str, text: str) -> dict:
 RENAMED_KEYS: dict[str, str] = {
     "async_training": "rollout.max_head_offpolicyness (0 = synchronous RL, > 0 = asynchronous "
     "with that staleness bound)",
+    "rollout.reward_fail_fast_calls": "rollout.reward_fail_fast_steps (the run stops after that "
+    "many steps in a row in which every reward call failed; 0 = off)",
 }
 
 

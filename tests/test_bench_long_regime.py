@@ -1,0 +1,62 @@
+"""bench/long_regime.py's arms and figures: the arm names parse to the overrides the runs get,
+and a run's summary reads the regime metrics a real metrics.jsonl carries."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import long_regime  # noqa: E402
+
+
+def test_every_arm_parses_and_names_its_overrides():
+    for arm in long_regime.PART_A + long_regime.PART_C:
+        eta, loss, mb = long_regime.parse_arm(arm)
+        args = SimpleNamespace(workdir="/w", eval_secs=30)
+        over = long_regime.arm_overrides(arm, 1, "/m", args)
+        assert f"rollout.max_head_offpolicyness={eta}" in over
+        assert f"actor.ppo_n_minibatches={mb}" in over
+        assert set(long_regime.LOSSES[loss]) <= set(over)
+    with pytest.raises(ValueError, match="eta<E>"):
+        long_regime.parse_arm("eta4_clipped_mb1")
+
+
+def test_a_run_summary_reads_the_regime_and_the_target():
+    recs = [
+        {"step": 0, "wall_time": 10.0, "eval/accuracy_before_training": 0.2, "n_tokens": 100},
+        {
+            "step": 1,
+            "wall_time": 12.0,
+            "n_tokens": 300,
+            "gen_len_p50": 40.0,
+            "behave_kl_k1": 0.01,
+            "behave_imp_weight_std": 0.1,
+            "behave_mask_ratio": 0.99,
+            "rollout/server_busy_frac": 0.9,
+            "rollout/interrupted_requests": 5.0,
+            "eval/accuracy": 0.35,
+        },
+        {
+            "step": 2,
+            "wall_time": 14.0,
+            "n_tokens": 500,
+            "gen_len_p50": 60.0,
+            "behave_kl_k1": 0.03,
+            "behave_imp_weight_std": 0.3,
+            "behave_mask_ratio": 0.97,
+            "rollout/server_busy_frac": 0.7,
+            "rollout/interrupted_requests": 7.0,
+        },
+    ]
+    args = SimpleNamespace(budget=180.0, target=0.3)
+    s = long_regime.summarize_run("eta4_decoupled_mb1", 1, recs, args)
+    assert s["steps_per_s"] == 0.5 and s["tokens_per_s"] == 200.0  # steps 1.. over 4 s
+    assert s["time_to_target_s"] == 12.0 and s["steps_to_target"] == 2
+    assert s["gen_len_p50"] == 50.0 and s["server_busy_frac"] == 0.8
+    assert s["behave_kl_k1"] == 0.02 and s["imp_weight_std"] == 0.2
+    assert s["capped_frac"] == pytest.approx(0.02) and s["interrupted_requests"] == 12.0
