@@ -66,6 +66,7 @@ class RemoteInferenceEngine(InferenceEngine):
         self.config = config
         # All keys up front: stats() may copy this from another thread while the loop counts.
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTER_KEYS, 0))
+        self._load_unsupported = False  # the servers' /metrics lack the embedded server's series
         self.http = ServerHTTP(
             config.request_timeout, config.request_retries, config.api_key, self.counters
         )
@@ -185,22 +186,26 @@ class RemoteInferenceEngine(InferenceEngine):
         return self.weights.version
 
     def server_load(self) -> dict[str, float] | None:
-        """The embedded servers' batching counters from their /metrics, summed (None when a
-        server does not serve them: SGLang and vLLM name theirs differently)."""
+        """The embedded servers' batching counters from their /metrics, summed. None when a
+        server does not serve them (SGLang and vLLM name theirs differently: not asked again)
+        or a call failed (a dashboard figure must never stop training; asked again next time)."""
+        if self._load_unsupported:
+            return None
         try:
             texts = self.run_coroutine(self._all_metrics()).result(timeout=10)
-        except Exception as e:  # a dashboard figure must never stop training
+        except Exception as e:
             logger.debug("server_load: %s", e)
             return None
         loads = [parse_server_load(t) for t in texts]
         if not loads or any(load is None for load in loads):
+            self._load_unsupported = bool(loads)
             return None
         return {k: sum(load[k] for load in loads) for k in loads[0]} | {"servers": len(loads)}
 
     async def _all_metrics(self) -> list[str]:
         return list(
             await asyncio.gather(
-                *(self.http.call(a, "GET", "/metrics", timeout=5) for a in self.addresses)
+                *(self.http.call(a, "GET", "/metrics", timeout=2) for a in self.addresses)
             )
         )
 
