@@ -91,9 +91,12 @@ def test_derived_keys_follow_the_users_key(grpo_yaml):
     """One key per fact: the group size is gconfig.n_samples, the prompts per step
     train_dataset.batch_size; the written config leaves the derived keys out, so it loads."""
     cfg = load_expr_config(
-        ["--config", grpo_yaml, "train_dataset.batch_size=6", "gconfig.n_samples=3"], GRPOConfig
+        ["--config", grpo_yaml, "train_dataset.batch_size=6", "gconfig.n_samples=3"]
+        + ["gconfig.temperature=0.7"],
+        GRPOConfig,
     )
     assert cfg.rollout.consumer_batch_size == 6 and cfg.actor.group_size == 3
+    assert cfg.actor.temperature == 0.7  # the trainer's log-probs at the sampler's temperature
     written = to_yaml(cfg)
     assert "consumer_batch_size" not in written and "group_size" not in written
     assert "n_samples: 3" in written
@@ -104,6 +107,7 @@ def test_derived_keys_follow_the_users_key(grpo_yaml):
     [
         ("actor.group_size=4", "gconfig.n_samples"),
         ("ref.group_size=4", "gconfig.n_samples"),
+        ("actor.temperature=0.7", "gconfig.temperature"),
         ("rollout.consumer_batch_size=8", "train_dataset.batch_size"),
         ("async_training=false", "rollout.max_head_offpolicyness"),
         ("rollout.reward_fail_fast_calls=64", "rollout.reward_fail_fast_steps"),

@@ -344,6 +344,11 @@ class GRPOConfig(BaseExperimentConfig):
                               f"it {'writes' if self.mode == 'rollout_only' else 'reads'})")  # fmt: skip
         # One key per fact: the derived keys follow the user's (config_loader.derived_from).
         self.actor.group_size = self.gconfig.n_samples  # advantages: per group of samples
+        # Log-probabilities at the temperature the samples were drawn at, or every importance
+        # ratio is off (greedy sampling: the model's own distribution).
+        for policy in (self.actor, self.ref):
+            if policy is not None:
+                policy.temperature = self.gconfig.temperature or 1.0
         self.rollout.consumer_batch_size = self.train_dataset.batch_size  # prompts per step
         if self.actor.preset == "ppo" and self.critic is None:
             raise ConfigError("actor.preset=ppo needs a value model: set critic.path")

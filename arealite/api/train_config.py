@@ -147,7 +147,12 @@ class PPOActorConfig(TrainEngineConfig):
         default=1, metadata=derived_from("gconfig.n_samples", "Samples per prompt (GRPO group).")
     )
     ppo_n_minibatches: int = field(default=1, metadata=_help("Optimizer steps per batch."))
-    temperature: float = field(default=1.0, metadata=_help("Sampling temperature (logprobs)."))
+    temperature: float = field(
+        default=1.0,
+        metadata=derived_from(
+            "gconfig.temperature", "Temperature of the log-probabilities (the sampler's)."
+        ),
+    )
     eps_clip: float = field(default=0.2, metadata=_help("PPO clip epsilon (lower)."))
     eps_clip_higher: Optional[float] = field(
         default=None, metadata=_help("DAPO clip-higher upper epsilon; null = eps_clip.")
