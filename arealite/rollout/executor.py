@@ -67,8 +67,6 @@ class WorkflowExecutor:
             engine, self._book, self.queue_size, self.get_capacity, lambda: self._paused
         )
         self._input = self._runner.input  # episodes waiting to start
-        # Data items of the episodes the last wait() / rollout_batch() returned, in order.
-        self.last_batch_data: list[Any] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,23 +143,21 @@ class WorkflowExecutor:
                 f"wait({count}) can never complete: at most rollout.queue_size={self.queue_size} "
                 "results are buffered"
             )
-        out = self._await_results(count, timeout)
-        assert out is not None
-        return out
+        return self._await_results(count, timeout)[0]
 
     def _await_results(
         self, count: int, timeout: float | None, refill_below: int | None = None
-    ) -> TensorDict | None:
-        """wait()'s body; with `refill_below`, returns None as soon as fewer episodes than
-        that are queued to start, so the caller tops the queue up without losing time (dynamic
-        sampling refuses groups quickly and each refusal starts a queued item)."""
+    ) -> tuple[TensorDict, list[Any]] | None:
+        """wait()'s body, with the episodes' data items; with `refill_below`, None as soon as
+        fewer episodes than that are queued to start, so the caller tops the queue up at once
+        (dynamic sampling refuses groups quickly and each refusal starts a queued item)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 if self._book.errors:
                     raise self._book.errors.popleft()
                 if len(self._book.results) >= count:
-                    out, self.last_batch_data = self._book.take(count)
+                    out, items = self._book.take(count)
                     break
                 if refill_below is not None and self._input.qsize() < refill_below:
                     return None
@@ -174,7 +170,7 @@ class WorkflowExecutor:
                     )
                 self._cond.wait(min(remaining, POLL_S))
         self.notify()  # room in the output buffer may admit new episodes
-        return concat_padded_tensors(out)
+        return concat_padded_tensors(out), items
 
     def _describe(self) -> str:
         s = self._book.stat
@@ -189,9 +185,11 @@ class WorkflowExecutor:
         data: Iterable[dict[str, Any]],
         workflow: RolloutWorkflow,
         should_accept: Callable[[TensorDict], bool] | None = None,
-    ) -> TensorDict:
+        return_data: bool = False,
+    ) -> TensorDict | tuple[TensorDict, list[Any]]:
         """Run one episode per item and wait for all of them; returns the accepted ones in input
-        order. Rejected episodes are left out; the first failure raises RolloutError."""
+        order (and their items with `return_data`). Rejected episodes are left out; the first
+        failure raises RolloutError."""
         items = list(data)
         group = Group(len(items))
         pending = deque(
@@ -211,20 +209,22 @@ class WorkflowExecutor:
                     break
                 self._runner.raise_if_stopped()
                 self._cond.wait(POLL_S)
-        self.last_batch_data = [d for d, r in zip(items, group.results) if r is not None]
-        return concat_padded_tensors([r for r in group.results if r is not None])
+        batch = concat_padded_tensors([r for r in group.results if r is not None])
+        kept = [d for d, r in zip(items, group.results) if r is not None]
+        return (batch, kept) if return_data else batch
 
     def prepare_batch(
         self,
         dataloader: Any,
         workflow: RolloutWorkflow,
         should_accept: Callable[[TensorDict], bool] | GroupFilter | None = None,
-    ) -> TensorDict:
+        return_data: bool = False,
+    ) -> TensorDict | tuple[TensorDict, list[Any]]:
         """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
         episodes (so generation never waits for the trainer), and return the next
-        `dataloader.batch_size` accepted episodes. Restarts the dataloader at epoch end. A
-        `GroupFilter` also sees each item, and the items it skips never start (done for
-        recovery, replaced by the next ones)."""
+        `dataloader.batch_size` accepted episodes (and their items with `return_data`),
+        restarting the dataloader at epoch end. A `GroupFilter` also sees each item, and the
+        items it skips never start (done for recovery, replaced by the next ones)."""
         batch_size = getattr(dataloader, "batch_size", None)
         if not batch_size:
             raise ValueError("prepare_batch needs a dataloader with a batch_size")
@@ -243,9 +243,9 @@ class WorkflowExecutor:
                     accept = should_accept if group_filter is None else (
                         functools.partial(group_filter.should_accept, item))  # fmt: skip
                     self._submit(Episode(item, workflow, accept, cursor=cursor))
-            batch = self._await_results(batch_size, timeout=None, refill_below=batch_size)
-            if batch is not None:
-                return batch
+            out = self._await_results(batch_size, timeout=None, refill_below=batch_size)
+            if out is not None:
+                return out if return_data else out[0]
 
     # ------------------------------------------------------------------ control and state
 
