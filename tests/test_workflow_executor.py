@@ -259,9 +259,9 @@ def test_refused_groups_are_replaced_at_once_not_on_the_next_poll(engine_factory
     """Each refusal starts a queued item, and prepare_batch tops the queue up as soon as it
     runs low: with the poll interval made 2 minutes, a batch behind 12 refused items (6 top-
     ups) still arrives promptly. Before, the queue was topped up once per poll."""
-    import arealite.rollout.executor as executor_module
+    import arealite.rollout.admission as admission_module
 
-    monkeypatch.setattr(executor_module, "POLL_S", 120.0)
+    monkeypatch.setattr(admission_module, "POLL_S", 120.0)
     executor = engine_factory(consumer_batch_size=2, max_head_offpolicyness=0)
     loader = DataLoader([{"id": i} for i in range(40)], batch_size=2, collate_fn=lambda x: x)
     out = []

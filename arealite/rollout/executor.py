@@ -8,17 +8,16 @@ Built by the training script on an inference engine:
     executor.pause(); ...update weights...; executor.set_version(v); executor.resume()
 
 Episodes run on the executor's own asyncio loop thread (`EpisodeLoop`, episode_loop.py), so the
-trainer's thread only submits data and collects finished batches. Admission follows `StalenessController` (staleness.py);
+trainer's thread only submits data and collects finished batches. What may start, and what
+finished, is the `Admission`'s (admission.py: one lock, the staleness rule of staleness.py);
 recovery replays pulled-but-untrained dataloader items (replay.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import queue
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 from tensordict import TensorDict
 
 from arealite.api.workflow_api import GroupFilter, RolloutWorkflow
-from arealite.rollout.episode_loop import POLL_S, EpisodeLoop
-from arealite.rollout.episodes import Episode, EpisodeBook, Group
+from arealite.rollout.admission import Admission
+from arealite.rollout.episode_loop import EpisodeLoop
+from arealite.rollout.episodes import Episode, Group
 from arealite.rollout.replay import DataloaderFeed
 from arealite.rollout.staleness import StalenessController
 from arealite.utils.data import concat_padded_tensors
@@ -54,19 +54,12 @@ class WorkflowExecutor:
         self.queue_size = config.queue_size or 4 * self.max_concurrent
         if self.queue_size < 1:
             raise ValueError(f"rollout.queue_size must be >= 1, got {self.queue_size}")
-        self.staleness = StalenessController(
+        staleness = StalenessController(
             self.max_concurrent, config.consumer_batch_size, config.max_head_offpolicyness
         )
         self.feed = DataloaderFeed()
-        self._book = EpisodeBook(
-            self.feed, lambda start, accepted: self.staleness.within_bound(start, accepted)
-        )
-        self._cond = self._book.cond  # guards the counters, results, errors and _paused
-        self._paused = False
-        self._runner = EpisodeLoop(
-            engine, self._book, self.queue_size, self.get_capacity, lambda: self._paused
-        )
-        self._input = self._runner.input  # episodes waiting to start
+        self.admission = Admission(staleness, self.feed, self.queue_size, engine.get_version)
+        self._runner = EpisodeLoop(engine, self.admission)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -78,7 +71,7 @@ class WorkflowExecutor:
             )
         if self._runner.started:
             raise RuntimeError("WorkflowExecutor.initialize() called twice")
-        self.staleness = dataclasses.replace(self.staleness, world_size=train_data_parallel_size)
+        self.admission.set_world_size(train_data_parallel_size)
         self._runner.start()
 
     def destroy(self, timeout: float = 30.0) -> None:
@@ -105,13 +98,7 @@ class WorkflowExecutor:
 
     def get_capacity(self) -> int:
         """How many more episodes may start now (may be <= 0)."""
-        v = self.engine.get_version()
-        with self._cond:
-            s = self._book.stat
-            allowed = self.staleness.capacity(v, s.running, s.accepted, self._book.accept_rate)
-            # Never start an episode whose result could not be buffered (bounded output).
-            by_buffer = self.queue_size - len(self._book.results) - s.running
-        return min(allowed, by_buffer)
+        return self.admission.capacity()
 
     # ------------------------------------------------------------------ submission
 
@@ -129,7 +116,8 @@ class WorkflowExecutor:
         self._runner.check_alive()
         if not isinstance(ep.workflow, RolloutWorkflow):
             raise TypeError(f"workflow must be a RolloutWorkflow, got {type(ep.workflow).__name__}")
-        self._runner.submit(ep)
+        self.admission.submit(ep)
+        self.notify()
 
     # ------------------------------------------------------------------ collection
 
@@ -151,34 +139,11 @@ class WorkflowExecutor:
         """wait()'s body, with the episodes' data items; with `refill_below`, None as soon as
         fewer episodes than that are queued to start, so the caller tops the queue up at once
         (dynamic sampling refuses groups quickly and each refusal starts a queued item)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._book.errors:
-                    raise self._book.errors.popleft()
-                if len(self._book.results) >= count:
-                    out, items = self._book.take(count)
-                    break
-                if refill_below is not None and self._input.qsize() < refill_below:
-                    return None
-                self._runner.raise_if_stopped()
-                remaining = POLL_S if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"wait({count}): only {len(self._book.results)} accepted episodes after "
-                        f"{timeout}s ({self._describe()})"
-                    )
-                self._cond.wait(min(remaining, POLL_S))
+        out = self.admission.take(count, timeout, refill_below)
+        if out is None:
+            return None
         self.notify()  # room in the output buffer may admit new episodes
-        return concat_padded_tensors(out), items
-
-    def _describe(self) -> str:
-        s = self._book.stat
-        return (
-            f"running={s.running}, queued={self._input.qsize()}, accepted={s.accepted}, "
-            f"rejected={s.rejected}, failed={s.failed}, version={self.engine.get_version()}, "
-            f"paused={self._paused}"
-        )
+        return concat_padded_tensors(out[0]), out[1]
 
     def rollout_batch(
         self,
@@ -202,13 +167,8 @@ class WorkflowExecutor:
                 except queue.Full:
                     break
                 pending.popleft()
-            with self._cond:
-                if group.error is not None:
-                    raise group.error
-                if group.done == len(items):
-                    break
-                self._runner.raise_if_stopped()
-                self._cond.wait(POLL_S)
+            if self.admission.wait_group(group):
+                break
         batch = concat_padded_tensors([r for r in group.results if r is not None])
         kept = [d for d, r in zip(items, group.results) if r is not None]
         return (batch, kept) if return_data else batch
@@ -235,7 +195,7 @@ class WorkflowExecutor:
             )
         group_filter = should_accept if isinstance(should_accept, GroupFilter) else None
         while True:
-            while self._input.qsize() < batch_size:  # (a replayed batch may be all done)
+            while self.admission.queued() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
                     if group_filter is not None and not group_filter.should_start(item):
                         self.feed.mark_done(cursor)
@@ -251,41 +211,28 @@ class WorkflowExecutor:
 
     def pause(self) -> None:
         """Stop starting new episodes; running ones continue (e.g. around a weight update)."""
-        with self._cond:
-            self._paused = True
+        self.admission.pause()
 
     def resume(self) -> None:
-        with self._cond:
-            self._paused = False
+        self.admission.resume()
         self.notify()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.admission.paused
 
     def stats(self) -> dict[str, int]:
         """Counters for logging: submitted, running, accepted, rejected, failed, queued, ready."""
-        return {**self._book.snapshot(), "queued": self._input.qsize()}
+        return self.admission.snapshot()
 
     def state_dict(self) -> dict[str, Any]:
         """What recovery must restore: the staleness counters as if the episodes not yet
         consumed had never started (they are replayed), and where prepare_batch's replay
         starts (`position`: None = the dataloader's own state) with the done items after it."""
-        with self._cond:
-            s = self._book.stat
-            return {
-                "submitted": s.submitted - self.feed.pending(),
-                "accepted": s.accepted - len(self._book.results),
-                "rejected": s.rejected,
-                "failed": s.failed,
-                **self.feed.state_dict(),
-            }
+        return self.admission.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and the replay of pulled-but-unconsumed items (episodes running
         at save time are lost; running = 0). Call before the first prepare_batch."""
-        with self._cond:
-            for k in ("submitted", "accepted", "rejected", "failed"):
-                setattr(self._book.stat, k, int(state.get(k, 0)))
-            self.feed.load_state_dict(state)
+        self.admission.load_state_dict(state)
         self.notify()
