@@ -64,8 +64,11 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
 def server_logprob_gap(post, engine, prompt: list[int]) -> float:
     """Max |trainer - server| logprob over 8 tokens the server samples after `prompt`
     (`post(path, body) -> json`): ~0 only when the server holds the trainer's weights."""
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True},
+    }
     out = post("/generate", body)
     server_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
     ids = torch.tensor([prompt + out["output_ids"]])

@@ -22,10 +22,18 @@ FEEDBACK = "Wrong, try again."
 
 def _it(name: str, prompt: list[int], out: list[int]) -> Interaction:
     return Interaction(
-        completion_id=name, choice_index=0, messages=[], tools=None, prompt_text="",
-        prompt_ids=prompt, output_ids=out, output_logprobs=[-0.1 * t for t in out],
-        output_versions=[7] * len(out), stop_reason="stop", message={},
-    )  # fmt: skip
+        completion_id=name,
+        choice_index=0,
+        messages=[],
+        tools=None,
+        prompt_text="",
+        prompt_ids=prompt,
+        output_ids=out,
+        output_logprobs=[-0.1 * t for t in out],
+        output_versions=[7] * len(out),
+        stop_reason="stop",
+        message={},
+    )
 
 
 def test_reward_propagates_back_along_a_branching_tree():
@@ -40,8 +48,12 @@ def test_reward_propagates_back_along_a_branching_tree():
     ]:
         tree.add(it)
     assert [(it.completion_id, it.parent and it.parent.completion_id) for it in tree] == [
-        ("A", None), ("B", "A"), ("C", "A"), ("D", "B"), ("E", None),
-    ]  # fmt: skip
+        ("A", None),
+        ("B", "A"),
+        ("C", "A"),
+        ("D", "B"),
+        ("E", None),
+    ]
     tree.set_reward("B", 0.2)
     tree.set_reward("C", 0.5)
     tree.set_reward("D", 1.0)

@@ -49,8 +49,10 @@ def test_protocol_tokens_bring_the_copies_closer(tool_tokenizer):
     """Each protocol string is one token, so every digit to copy sits 12 tokens back, in both
     copies (question -> call, tool result -> answer) of every trace."""
     tok = tool_tokenizer
-    rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
-            for q, a in [("7*61=", "427"), ("93-5=", "88")]]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": q}], "answer": a}
+        for q, a in [("7*61=", "427"), ("93-5=", "88")]
+    ]
     for ids, _ in agent_calculator.tool_traces(tok, rows):
         pieces = [tok.decode([i]) for i in ids]
         for protocol in agent_calculator.PROTOCOL_TOKENS:
@@ -81,8 +83,10 @@ def test_shared_prefix_sft_loss_equals_the_padded_loss(tiny_model_dir, tmp_path)
 
     model_dir = str(tmp_path / "model")
     tok = agent_calculator.tool_model_dir(tiny_model_dir, model_dir)
-    rows = [{"messages": [{"role": "user", "content": q}], "answer": a}
-            for q, a in [("47*28=", "1316"), ("5-93=", "-88"), ("81+9=", "90")]]  # fmt: skip
+    rows = [
+        {"messages": [{"role": "user", "content": q}], "answer": a}
+        for q, a in [("47*28=", "1316"), ("5-93=", "-88"), ("81+9=", "90")]
+    ]
     traces = agent_calculator.tool_traces(tok, rows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.resize_token_embeddings(len(tok))

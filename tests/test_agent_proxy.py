@@ -105,8 +105,10 @@ def run_agents(tmp_path, proxy, mode: str, count: int) -> subprocess.Popen:
     script.write_text(AGENT_SCRIPT)
     return subprocess.Popen(
         [sys.executable, str(script), proxy.url, mode, str(count)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def rollout(executor, proxy, n: int):

@@ -78,10 +78,14 @@ def executor(tiny_model_dir):
 
 def rows(n: int, **extra) -> list[dict]:
     return [
-        {"messages": [{"role": "user", "content": f"{i}+2="}], "answer": str(i + 2),
-         "query_id": f"q{i}", **extra}
+        {
+            "messages": [{"role": "user", "content": f"{i}+2="}],
+            "answer": str(i + 2),
+            "query_id": f"q{i}",
+            **extra,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def test_example_agent_trains_from_config_alone(tmp_path, executor, tokenizer):
@@ -122,8 +126,9 @@ def test_crash_and_garbage_are_dropped_counted_and_the_run_goes_on(executor, tok
     pool = RewardPool(fixed_reward, max_workers=1)
     try:
         wf = route(None, GenerationHyperparameters(max_new_tokens=3), tokenizer, reward_pool=pool)
-        items = [r | {"mode": m} for r, m in
-                 zip(rows(5), ["crash", "ok", "garbage", "score", "ok"])]  # fmt: skip
+        items = [
+            r | {"mode": m} for r, m in zip(rows(5), ["crash", "ok", "garbage", "score", "ok"])
+        ]
         batch = executor.rollout_batch(items, wf)
         assert sorted(batch["rewards"].tolist()) == [0.25, 1.0, 1.0]  # the run went on
         s = wf.reward_stats
@@ -186,8 +191,9 @@ def test_sdk_retry_after_a_lost_answer_replays_it(executor, tokenizer):
     proxy.start()
     try:
         done = {}
-        t = threading.Thread(target=lambda: done.update(
-            batch=executor.rollout_batch(rows(1), proxy.workflow)))  # fmt: skip
+        t = threading.Thread(
+            target=lambda: done.update(batch=executor.rollout_batch(rows(1), proxy.workflow))
+        )
         t.start()
         admin = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", timeout=90)
         s = admin.post("/sessions", body={"wait": 60}, cast_to=object)
@@ -214,8 +220,9 @@ def test_no_task_within_wait_is_204_and_the_sdk_gets_an_empty_body(tokenizer):
     proxy.start()
     try:
         admin = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k")
-        req = urllib.request.Request(proxy.url + "/v1/sessions", data=b'{"wait": 0.2}',
-                                     headers={"Authorization": "Bearer k"})  # fmt: skip
+        req = urllib.request.Request(
+            proxy.url + "/v1/sessions", data=b'{"wait": 0.2}', headers={"Authorization": "Bearer k"}
+        )
         with urllib.request.urlopen(req, timeout=30) as raw:
             assert raw.status == 204
         assert not admin.post("/sessions", body={"wait": 0}, cast_to=object)

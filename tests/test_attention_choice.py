@@ -22,8 +22,14 @@ def test_lengths_are_read_once_per_micro_batch_not_per_layer(tiny_model_dir, mon
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or original(t))
     with torch.no_grad():
-        out = model(input_ids=torch.randint(0, 100, (1, 15)), position_ids=positions,
-                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)  # fmt: skip
+        out = model(
+            input_ids=torch.randint(0, 100, (1, 15)),
+            position_ids=positions,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=7,
+            max_length_k=7,
+        )
     assert out.logits.shape[1] == 15
     assert len(reads) == 1  # one device read for all layers
     assert varlen_attention.packed_lengths(cu) == tuple(lengths)

@@ -59,8 +59,9 @@ def broken_task(tmp_path, model: str) -> tuple[str, str, str]:
 )
 def test_preflight_calls_the_reward_on_a_real_row(tmp_path, tiny_model_dir, fn, message):
     yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
-    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:{fn}", "reward_weights=null",
-                           timeout=60)  # fmt: skip
+    rc, out, secs = launch(
+        "grpo.py", yaml, f"reward={rewards}:{fn}", "reward_weights=null", timeout=60
+    )
     head = f"reward: reward '{rewards}:{fn}', called by preflight on row 0 of train_dataset"
     assert rc != 0 and head in out and re.search(message, out), out[-3000:]
     assert COLUMNS in out and "columns arrive as keywords" in out
@@ -96,11 +97,15 @@ def test_a_reward_failing_on_real_samples_stops_the_run_in_its_first_step(tmp_pa
     every call failed stops the run before it trains (row 0, the one row it scores, may land in
     an earlier step: at most 1 step trained)."""
     yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
-    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:weighted", "reward_weights=null",
-                           "gconfig.n_samples=4")  # fmt: skip
+    rc, out, secs = launch(
+        "grpo.py", yaml, f"reward={rewards}:weighted", "reward_weights=null", "gconfig.n_samples=4"
+    )
     assert rc != 0, out[-6000:]
-    m = re.search(rf"reward {re.escape(rewards)}:weighted is broken: all (\d+) of its calls in "
-                  r"a step failed \((\d+) failed of (\d+) calls: TypeError x(\d+)\)", out)  # fmt: skip
+    m = re.search(
+        rf"reward {re.escape(rewards)}:weighted is broken: all (\d+) of its calls in "
+        r"a step failed \((\d+) failed of (\d+) calls: TypeError x(\d+)\)",
+        out,
+    )
     assert m, out[-6000:]
     step_calls, failed, calls, type_errors = map(int, m.groups())
     assert step_calls >= 16 and failed == type_errors and failed <= calls <= failed + 4
@@ -116,8 +121,13 @@ def test_a_reward_failing_on_real_samples_stops_the_run_in_its_first_step(tmp_pa
 @pytest.mark.integration
 def test_own_column_names_reach_the_reward_and_no_signal_is_said_once(tmp_path, tiny_model_dir):
     yaml, run_dir, rewards = broken_task(tmp_path, tiny_model_dir)
-    rc, out, secs = launch("grpo.py", yaml, f"reward={rewards}:needs_solution",
-                           "reward_weights=null", "rollout.no_signal_steps=2")  # fmt: skip
+    rc, out, secs = launch(
+        "grpo.py",
+        yaml,
+        f"reward={rewards}:needs_solution",
+        "reward_weights=null",
+        "rollout.no_signal_steps=2",
+    )
     assert rc == 0, out[-6000:]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(records) == 3 and records[-1]["rollout/errors"] == 0  # `solution` arrived

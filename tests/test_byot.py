@@ -57,15 +57,26 @@ def write_task(tmp_path, model: str, n_rows: int = 32) -> tuple[str, str]:
             row = {"id": f"row-{i}", "question": f"{a}+{b}", "solution": str(a + b), "points": 2}
             f.write(json.dumps(row) + "\n")
     (tmp_path / "my_rewards.py").write_text(REWARDS)
-    yaml = GRPO_YAML.format(model=model, data=tmp_path / "my_data.jsonl",
-                            rewards=tmp_path / "my_rewards.py", root=tmp_path / "runs")  # fmt: skip
+    yaml = GRPO_YAML.format(
+        model=model,
+        data=tmp_path / "my_data.jsonl",
+        rewards=tmp_path / "my_rewards.py",
+        root=tmp_path / "runs",
+    )
     (tmp_path / "my.yaml").write_text(yaml)
     return str(tmp_path / "my.yaml"), str(tmp_path / "runs" / "byot" / "grpo")
 
 
 def launch(script: str, yaml: str, *overrides: str, timeout: float = 400, env=None):
-    cmd = [sys.executable, "-m", "arealite.launcher.local", f"examples/{script}",
-           "--config", yaml, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        f"examples/{script}",
+        "--config",
+        yaml,
+        *overrides,
+    ]
     start = time.monotonic()
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - start
@@ -146,8 +157,12 @@ def test_user_jsonl_and_reward_file_train_with_grpo(tmp_path, tiny_model_dir):
     assert last["rollout/ok"] > last["rollout/errors"]  # and the run went on
     assert "my reward has a bug on row-" in out  # its traceback is in the log
     dumps = os.path.join(run_dir, "rollouts")
-    prompts = [json.loads(line)["prompt"] for f in os.listdir(dumps) if f.startswith("rollouts_v")
-               for line in open(os.path.join(dumps, f))]  # fmt: skip
+    prompts = [
+        json.loads(line)["prompt"]
+        for f in os.listdir(dumps)
+        if f.startswith("rollouts_v")
+        for line in open(os.path.join(dumps, f))
+    ]
     assert prompts and all("=" in p for p in prompts)  # prompt_template applied
 
 
@@ -162,8 +177,9 @@ def test_parquet_data_and_a_hub_model_id_from_the_offline_cache(tmp_path, tiny_m
     datasets.Dataset.from_json(str(tmp_path / "my_data.jsonl")).to_parquet(parquet)
     snap = fake_hub_cache(tmp_path / "hub", "org/tiny", files_from=tiny_model_dir)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    rc, out, _ = launch("grpo.py", yaml, f"train_dataset.path={parquet}", "total_train_steps=2",
-                        env=env)  # fmt: skip
+    rc, out, _ = launch(
+        "grpo.py", yaml, f"train_dataset.path={parquet}", "total_train_steps=2", env=env
+    )
     assert rc == 0, out[-6000:]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(records) == 2 and f"reward/{tmp_path / 'my_rewards.py'}:exact" in records[-1]
@@ -226,12 +242,24 @@ def test_hub_model_id_is_resolved_once_from_the_offline_cache(tmp_path, tiny_mod
     snap = fake_hub_cache(tmp_path / "hub", "org/tiny", files_from=tiny_model_dir)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     argv = ["examples/grpo.py", "--config", yaml]
-    p = subprocess.run([sys.executable, "-c", RESOLVE, *argv], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", RESOLVE, *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["actor"] == out["server"] == snap
     assert f"actor.path={snap}" in out["args"] and f"server.model_path={snap}" in out["args"]
-    p = subprocess.run([sys.executable, "-c", RESOLVE, *argv, "actor.path=org/absent"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", RESOLVE, *argv, "actor.path=org/absent"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "ConfigError: actor.path='org/absent': hub model 'org/absent'" in p.stdout, p.stdout
     assert "HF_HUB_OFFLINE=1: not in the hub cache" in p.stdout

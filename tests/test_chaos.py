@@ -49,25 +49,47 @@ def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> lis
     """`script` is sft.py or grpo.py, run on the arithmetic YAML of the same kind."""
     name = "arith_" + script.removesuffix(".py")
     return [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(ROOT, "examples", script),
-        "--config", os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
-        "experiment_name=chaos", f"trial_name={trial}", f"cluster.fileroot={fileroot}",
-        "train_dataset.options.n_operands=2", "valid_dataset=null", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(ROOT, "examples", script),
+        "--config",
+        os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
+        "experiment_name=chaos",
+        f"trial_name={trial}",
+        f"cluster.fileroot={fileroot}",
+        "train_dataset.options.n_operands=2",
+        "valid_dataset=null",
+        *overrides,
+    ]
 
 
 def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
     """Synchronous GRPO (eta = 0, seeded sampling): a rerun regenerates the same tokens."""
-    return launcher_cmd(fileroot, trial, "grpo.py", [
-        f"actor.path={model}", f"total_train_steps={STEPS}", "train_dataset.options.size=256",
-        "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "rollout.max_concurrent_rollouts=8", "gconfig.seed=7",
-        "server.dtype=float32", "actor.fsdp.param_dtype=float32", "recover.mode=auto",
-        "recover.freq_steps=1", "recover.retries=2",
-        "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
-        "actor.use_decoupled_loss=false", "rollout.setup_timeout=120",
-        "actor.dynamic_sampling=false",  # every item trained exactly once (none dropped)
-    ])  # fmt: skip
+    return launcher_cmd(
+        fileroot,
+        trial,
+        "grpo.py",
+        [
+            f"actor.path={model}",
+            f"total_train_steps={STEPS}",
+            "train_dataset.options.size=256",
+            "train_dataset.batch_size=4",
+            "gconfig.n_samples=4",
+            "rollout.max_concurrent_rollouts=8",
+            "gconfig.seed=7",
+            "server.dtype=float32",
+            "actor.fsdp.param_dtype=float32",
+            "recover.mode=auto",
+            "recover.freq_steps=1",
+            "recover.retries=2",
+            "rollout.max_head_offpolicyness=0",
+            "actor.recompute_logprob=true",
+            "actor.use_decoupled_loss=false",
+            "rollout.setup_timeout=120",
+            "actor.dynamic_sampling=false",  # every item trained exactly once (none dropped)
+        ],
+    )
 
 
 def run_to_end(cmd, log_path, timeout: float = 300) -> None:
@@ -80,10 +102,17 @@ def run_to_end(cmd, log_path, timeout: float = 300) -> None:
 def reference(tmp_path_factory, tiny_model_dir) -> tuple[str, str]:
     """(warm-started model, run dir of an uninterrupted GRPO run)."""
     root = tmp_path_factory.mktemp("chaos")
-    sft = launcher_cmd(root, "sft", "sft.py", [
-        f"model.path={tiny_model_dir}", f"total_train_steps={SFT_STEPS}",
-        "train_dataset.options.size=1024", "train_dataset.batch_size=32",
-    ])  # fmt: skip
+    sft = launcher_cmd(
+        root,
+        "sft",
+        "sft.py",
+        [
+            f"model.path={tiny_model_dir}",
+            f"total_train_steps={SFT_STEPS}",
+            "train_dataset.options.size=1024",
+            "train_dataset.batch_size=32",
+        ],
+    )
     run_to_end(sft, root / "sft.log")
     model = str(root / "chaos" / "sft" / "checkpoints" / "final" / f"epoch0globalstep{SFT_STEPS}")
     run_to_end(grpo_cmd(root, "ref", model), root / "ref.log")
@@ -260,8 +289,11 @@ def test_with_every_server_dead_the_client_waits_and_the_restarted_one_gets_the_
     engine.initialize([server.address])
     g = GenerationHyperparameters(max_new_tokens=1000, greedy=True, ignore_eos=True)
     out: list = []
-    gen = threading.Thread(target=lambda: out.append(asyncio.run(
-        engine.agenerate(ModelRequest(rid="long", input_ids=[5, 6, 7], gconfig=g)))))  # fmt: skip
+    gen = threading.Thread(
+        target=lambda: out.append(
+            asyncio.run(engine.agenerate(ModelRequest(rid="long", input_ids=[5, 6, 7], gconfig=g)))
+        )
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         gen.start()

@@ -37,8 +37,12 @@ def engine(tiny_model_dir):
 
 
 def requests_for(prompts, max_new_tokens=6, greedy=True):
-    g = GenerationHyperparameters(n_samples=1, max_new_tokens=max_new_tokens, greedy=greedy,
-                                  temperature=0.0 if greedy else 1.0)  # fmt: skip
+    g = GenerationHyperparameters(
+        n_samples=1,
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        temperature=0.0 if greedy else 1.0,
+    )
     return [ModelRequest(input_ids=p, gconfig=g) for p in prompts]
 
 
@@ -77,8 +81,11 @@ def test_a_lora_trainers_weights_arrive_merged(engine, build_engine, tmp_path):
     """What WeightSync hands a colocated generator from a LoRA actor (W + BA, base names)
     serves exactly what the merged HF export computes."""
     pytest.importorskip("peft")
-    cfg = engine_config(engine.generator.runner.model_path, optimizer=OptimizerConfig(lr=1e-2),
-                        lora=LoRAConfig(rank=4, alpha=8.0))  # fmt: skip
+    cfg = engine_config(
+        engine.generator.runner.model_path,
+        optimizer=OptimizerConfig(lr=1e-2),
+        lora=LoRAConfig(rank=4, alpha=8.0),
+    )
     actor = build_engine(FSDPLMEngine, cfg)
     for seed in range(3):
         actor.train_lm(make_batch(n=4, seed=seed))
@@ -124,13 +131,22 @@ def test_grpo_on_two_ranks_without_a_server(tmp_path, tiny_model_dir):
     behaviour logprobs equal the trainer's), tagged with their version; evaluation shares it."""
     run = tmp_path / "colo" / "t"
     args = [
-        f"cluster.fileroot={tmp_path}", "experiment_name=colo", "trial_name=t",
-        f"actor.path={tiny_model_dir}", "total_train_steps=3", "allocation_mode=colocated+d2p1t1",
-        "rollout.max_head_offpolicyness=0", "actor.dynamic_sampling=false",
-        "train_dataset.batch_size=4", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
-        "valid_dataset.options.size=8", "evaluator.freq_steps=2",
-        "actor.fsdp.param_dtype=float32", "server.dtype=float32",
-    ]  # fmt: skip
+        f"cluster.fileroot={tmp_path}",
+        "experiment_name=colo",
+        "trial_name=t",
+        f"actor.path={tiny_model_dir}",
+        "total_train_steps=3",
+        "allocation_mode=colocated+d2p1t1",
+        "rollout.max_head_offpolicyness=0",
+        "actor.dynamic_sampling=false",
+        "train_dataset.batch_size=4",
+        "gconfig.n_samples=2",
+        "gconfig.max_new_tokens=4",
+        "valid_dataset.options.size=8",
+        "evaluator.freq_steps=2",
+        "actor.fsdp.param_dtype=float32",
+        "server.dtype=float32",
+    ]
     run_arith_grpo(args)
     records, versions = metrics_and_versions(run)
     assert [r["step"] for r in records] == [0, 1, 2]

@@ -234,9 +234,14 @@ def test_choices_are_checked_for_configs_built_in_python():
 
 @pytest.mark.parametrize(
     "key",
-    ["train_dataset.num_workers", "train_dataset.type", "actor.backend",
-     "actor.optimizer.type", "cluster.name_resolve.etcd_address"],
-)  # fmt: skip
+    [
+        "train_dataset.num_workers",
+        "train_dataset.type",
+        "actor.backend",
+        "actor.optimizer.type",
+        "cluster.name_resolve.etcd_address",
+    ],
+)
 def test_keys_that_did_nothing_are_gone(grpo_yaml, key):
     with pytest.raises(ConfigError, match=f"Unknown config key {key!r}"):
         load_expr_config(["--config", grpo_yaml, f"{key}=1"], GRPOConfig)

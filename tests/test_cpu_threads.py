@@ -10,8 +10,13 @@ from arealite.launcher.local import cpu_thread_env, trainer_env
 
 
 def config(tmp_path, allocation: str, policy: str | None = None) -> GRPOConfig:
-    args = [f"allocation_mode={allocation}", f"cluster.fileroot={tmp_path}", "actor.path=x",
-            "experiment_name=e", "trial_name=t"]  # fmt: skip
+    args = [
+        f"allocation_mode={allocation}",
+        f"cluster.fileroot={tmp_path}",
+        "actor.path=x",
+        "experiment_name=e",
+        "trial_name=t",
+    ]
     if policy:
         args.append(f"launcher.cpu_threads={policy}")
     return load_expr_config(args, GRPOConfig)

@@ -205,8 +205,17 @@ def test_arith_sft_rows_are_short_and_mask_the_digits(tokenizer):
 
 
 def test_arith_follow_up_rows_are_two_turn_with_the_loss_on_the_second_answer(tokenizer):
-    ds = get_custom_dataset("arith", 0, 1, type="sft", tokenizer=tokenizer, size=200,
-                            max_digits=1, n_operands=3, follow_up=0.5)  # fmt: skip
+    ds = get_custom_dataset(
+        "arith",
+        0,
+        1,
+        type="sft",
+        tokenizer=tokenizer,
+        size=200,
+        max_digits=1,
+        n_operands=3,
+        follow_up=0.5,
+    )
     two_turn = 0
     for r in _rows(ds):
         ids, mask = r["input_ids"], r["loss_mask"]

@@ -68,9 +68,9 @@ def _datasets_kinds(tmp_path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["jsonl", "json", "parquet", "csv", "save_to_disk", "save_to_disk_dict",
-             "hub_layout_folder"],
-)  # fmt: skip
+    "kind",
+    ["jsonl", "json", "parquet", "csv", "save_to_disk", "save_to_disk_dict", "hub_layout_folder"],
+)
 def test_every_source_kind_loads_with_column_mapping(tmp_path, kind):
     path = _datasets_kinds(tmp_path)[kind]
     ds = get_custom_dataset(path, columns=MAPPING, prompt_template="{prompt} Think.")
@@ -92,8 +92,9 @@ def fake_datasets_cache(hf_home, repo_id: str, parquet: str) -> None:
 
     ns, name = repo_id.split("/")
     cache = str(hf_home / "datasets")
-    Parquet(cache_dir=cache, dataset_name=name, data_files={"train": parquet},
-            hash="0123abcd").download_and_prepare()  # fmt: skip
+    Parquet(
+        cache_dir=cache, dataset_name=name, data_files={"train": parquet}, hash="0123abcd"
+    ).download_and_prepare()
     ((config_dir,),) = [os.listdir(os.path.join(cache, name))]  # default-<hash of data_files>
     os.makedirs(os.path.join(cache, f"{ns}___{name}"))
     os.rename(
@@ -106,13 +107,23 @@ def test_hub_id_loads_offline_from_the_datasets_cache(tmp_path):
     parquet = _datasets_kinds(tmp_path)["parquet"]
     fake_datasets_cache(tmp_path / "home", "org/my_data", parquet)
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)], env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     _check_rows(json.loads(p.stdout.strip().splitlines()[-1]), " Think.")
     env["HF_HOME"] = str(tmp_path / "empty")  # not cached: fails naming the id
-    p = subprocess.run([sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)], env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "org/my_data" in p.stderr.splitlines()[-1], p.stderr[-3000:]
 
 
@@ -146,8 +157,11 @@ def test_first_reward_row_is_what_the_reward_receives(tmp_path):
 
 
 def test_messages_rows_drop_a_final_assistant_turn_for_rl(tmp_path):
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
-            {"role": "assistant", "content": "2"}]  # fmt: skip
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+    ]
     path = _write_jsonl(tmp_path / "m.jsonl", [{"messages": chat, "answer": "2"}])
     assert get_custom_dataset(path)[0]["messages"] == chat[:2]
 
@@ -201,8 +215,9 @@ def test_sft_messages_loss_on_assistant_tokens_only(tmp_path, tokenizer):
 
 def test_sft_prompt_completion_rows(tmp_path, tokenizer):
     path = _write_jsonl(tmp_path / "pc.jsonl", [{"q": "5+5=", "a": "10"}])
-    row = get_custom_dataset(path, type="sft", tokenizer=tokenizer,
-                             columns={"prompt": "q", "completion": "a"})[0]  # fmt: skip
+    row = get_custom_dataset(
+        path, type="sft", tokenizer=tokenizer, columns={"prompt": "q", "completion": "a"}
+    )[0]
     answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
     assert answer[-1] == tokenizer.eos_token_id and tokenizer.decode(answer[:-1]) == "10"
     with pytest.raises(DatasetFormatError, match="row 0: SFT needs 'messages' or 'prompt' \\+"):

@@ -27,10 +27,15 @@ LR = 2e-5  # small enough that one step stays inside the clip (max |log ratio| ~
 def max_log_ratio_after_replay(build_engine, model_dir: str, decoupled: bool, seed: int) -> float:
     """max |log pi_new - log pi_prox| over generated tokens after EPOCHS steps on the batch."""
     cfg = actor_config(
-        model_dir, group_size=4, use_decoupled_loss=decoupled, recompute_logprob=decoupled,
-        behav_imp_weight_cap=5.0, eps_clip=0.2, temperature=1.0,
+        model_dir,
+        group_size=4,
+        use_decoupled_loss=decoupled,
+        recompute_logprob=decoupled,
+        behav_imp_weight_cap=5.0,
+        eps_clip=0.2,
+        temperature=1.0,
         optimizer=OptimizerConfig(lr=LR, eps=1e-6, weight_decay=0.0),
-    )  # fmt: skip
+    )
     actor = build_engine(FSDPPPOActor, cfg)
     batch = rl_batch(REWARDS, gen_lens=[6] * len(REWARDS), seed=seed)
     mask = batch["loss_mask"].bool()

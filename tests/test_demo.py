@@ -28,11 +28,21 @@ def run_demo(root: str, tiny_model: str) -> tuple[subprocess.CompletedProcess, f
     """The demo script on the session's tiny model (the script builds one only when absent)."""
     os.makedirs(os.path.join(root, "demo"))
     os.symlink(tiny_model, os.path.join(root, "demo", "tiny_model"))
-    env = {**os.environ, "PY": sys.executable, "DEMO_SFT_ARGS": SFT_ARGS,
-           "DEMO_GRPO_ARGS": GRPO_ARGS}  # fmt: skip
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "DEMO_SFT_ARGS": SFT_ARGS,
+        "DEMO_GRPO_ARGS": GRPO_ARGS,
+    }
     start = time.monotonic()
-    p = subprocess.run(["bash", "examples/run_arith_demo.sh", root], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        ["bash", "examples/run_arith_demo.sh", root],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return p, time.monotonic() - start
 
 

@@ -28,9 +28,14 @@ PROMPTS, SAMPLES = 4, 2  # prompts per step, samples per prompt
 def launch(script: str, config: str, overrides: list[str], timeout: float = 300) -> str:
     """Run the local launcher; returns its output, failing the test with it on a non-zero exit."""
     cmd = [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, script),
-        "--config", os.path.join(EXAMPLES, "configs", config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(EXAMPLES, script),
+        "--config",
+        os.path.join(EXAMPLES, "configs", config),
+        *overrides,
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"launcher exited with {p.returncode}:\n{out[-6000:]}"
@@ -56,15 +61,23 @@ def read_rollouts(run_dir: str) -> dict[int, list[dict]]:
 def grpo_overrides(fileroot: str, trial: str, model: str, steps: int) -> list[str]:
     """Small, fast settings; fp32 on both sides so trainer and server logprobs agree exactly."""
     return [
-        f"cluster.fileroot={fileroot}", "experiment_name=e2e-grpo", f"trial_name={trial}",
-        f"actor.path={model}", f"total_train_steps={steps}",
+        f"cluster.fileroot={fileroot}",
+        "experiment_name=e2e-grpo",
+        f"trial_name={trial}",
+        f"actor.path={model}",
+        f"total_train_steps={steps}",
         f"train_dataset.batch_size={PROMPTS}",
-        "rollout.max_concurrent_rollouts=16", f"gconfig.n_samples={SAMPLES}",
+        "rollout.max_concurrent_rollouts=16",
+        f"gconfig.n_samples={SAMPLES}",
         "gconfig.max_new_tokens=4",
-        "valid_dataset.options.size=16", "valid_dataset.batch_size=16", "evaluator.freq_steps=2",
-        "actor.fsdp.param_dtype=float32", "server.dtype=float32", "stats_logger.print_every=1",
+        "valid_dataset.options.size=16",
+        "valid_dataset.batch_size=16",
+        "evaluator.freq_steps=2",
+        "actor.fsdp.param_dtype=float32",
+        "server.dtype=float32",
+        "stats_logger.print_every=1",
         "actor.dynamic_sampling=false",  # an untrained model scores 0: every group would drop
-    ]  # fmt: skip
+    ]
 
 
 def load_checkpoint(path: str):
@@ -93,8 +106,9 @@ def async_run(tmp_path_factory, tiny_model_dir):
     args = grpo_overrides(root, "async", tiny_model_dir, steps=3)
     args += [
         "allocation_mode=local.d1p1t1+d2p1t1",
-        f"rollout.max_head_offpolicyness={ETA}", "saver.freq_steps=2",
-    ]  # fmt: skip
+        f"rollout.max_head_offpolicyness={ETA}",
+        "saver.freq_steps=2",
+    ]
     out = launch("grpo.py", "arith_grpo.yaml", args)
     return os.path.join(root, "e2e-grpo", "async"), out
 
@@ -103,10 +117,15 @@ def async_run(tmp_path_factory, tiny_model_dir):
 def sft_run(tmp_path_factory, tiny_model_dir):
     root = str(tmp_path_factory.mktemp("e2e_sft"))
     args = [
-        f"cluster.fileroot={root}", "experiment_name=e2e-sft", "trial_name=t",
-        f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1", "total_train_steps=4",
-        "train_dataset.batch_size=16", "model.optimizer.warmup_steps_proportion=0",
-    ]  # fmt: skip
+        f"cluster.fileroot={root}",
+        "experiment_name=e2e-sft",
+        "trial_name=t",
+        f"model.path={tiny_model_dir}",
+        "allocation_mode=d2p1t1",
+        "total_train_steps=4",
+        "train_dataset.batch_size=16",
+        "model.optimizer.warmup_steps_proportion=0",
+    ]
     launch("sft.py", "arith_sft.yaml", args)
     return os.path.join(root, "e2e-sft", "t")
 
@@ -120,7 +139,7 @@ def sync_run(tmp_path_factory, sft_run):
     args += [
         "allocation_mode=local.d1p1t1+d1p1t1",
         "rollout.max_head_offpolicyness=0",
-    ]  # fmt: skip
+    ]
     launch("grpo.py", "arith_grpo.yaml", args)
     return os.path.join(root, "e2e-grpo", "sync")
 

@@ -115,9 +115,12 @@ def test_varlen_groups_equal_a_per_sequence_loop():
         out = sdpa_varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu)[0]
         bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
         ref = torch.cat(
-            [sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True)
-             for s, e in bounds], 2,
-        ).transpose(1, 2)  # fmt: skip
+            [
+                sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True)
+                for s, e in bounds
+            ],
+            2,
+        ).transpose(1, 2)
         w = torch.randn(ref.shape, dtype=torch.float64, generator=g)
         got = torch.autograd.grad((out * w).sum(), (q, k, v))
         want = torch.autograd.grad((ref * w).sum(), (q, k, v))
@@ -140,10 +143,12 @@ def grouped_batch(n_prompts: int = 3, n_samples: int = 4, seed: int = 7):
             resp = torch.randint(
                 0, 600, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g
             )
-            rows.append({
-                "input_ids": torch.cat([prompt, resp]),
-                "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(resp)),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "input_ids": torch.cat([prompt, resp]),
+                    "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(resp)),
+                }
+            )
     rows.insert(5, rows[0])  # an exact duplicate row, prompt and response
     return pad_sequences_to_tensors(rows)
 
@@ -257,10 +262,21 @@ def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
     out, hf_dir = tmp_path / "r.pt", tmp_path / "hf2"
     script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(find_free_port()), script,
-        "--model", tiny_model_dir, "--out", str(out), "--hf-dir", str(hf_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(find_free_port()),
+        script,
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+        "--hf-dir",
+        str(hf_dir),
+    ]
     # CPU ranks even on a GPU machine: two ranks may not share one GPU (tests/gpu has GPU runs)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -362,14 +378,24 @@ def test_uploaded_weights_reach_a_real_server(make_engine, tiny_model_dir, tmp_p
         meta.nccl_backend = backend
 
         def rollout_side():
-            init = {"master_address": "127.0.0.1", "master_port": meta.nccl_master_port,
-                    "rank_offset": 1, "world_size": 2, "group_name": meta.nccl_group_name,
-                    "backend": backend}  # fmt: skip
+            init = {
+                "master_address": "127.0.0.1",
+                "master_port": meta.nccl_master_port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": meta.nccl_group_name,
+                "backend": backend,
+            }
             assert post("/init_weights_update_group", init)["success"]
             for i, bucket in enumerate(meta.nccl_param_specs):
                 names, shapes, dtypes = zip(*bucket)
-                body = {"names": names, "shapes": shapes, "dtypes": dtypes,
-                        "group_name": meta.nccl_group_name, "weight_version": i + 1}  # fmt: skip
+                body = {
+                    "names": names,
+                    "shapes": shapes,
+                    "dtypes": dtypes,
+                    "group_name": meta.nccl_group_name,
+                    "weight_version": i + 1,
+                }
                 assert post("/update_weights_from_distributed", body)["success"]
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -15,17 +15,25 @@ def launch(args, env=None, timeout=120):
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "arealite.launcher.local", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     return p, time.monotonic() - t0
 
 
 @pytest.fixture
 def sft_args(tmp_path, tiny_model_dir):
     return [
-        SCRIPT, "experiment_name=probe", "trial_name=t", f"cluster.fileroot={tmp_path}",
-        f"model.path={tiny_model_dir}", "train_dataset.path=arith", "allocation_mode=d2p1t1",
-    ]  # fmt: skip
+        SCRIPT,
+        "experiment_name=probe",
+        "trial_name=t",
+        f"cluster.fileroot={tmp_path}",
+        f"model.path={tiny_model_dir}",
+        "train_dataset.path=arith",
+        "allocation_mode=d2p1t1",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -95,8 +103,11 @@ def gone_within(pids, seconds: float) -> bool:
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and
-                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        alive = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         if not alive:
             return True
         time.sleep(0.1)
@@ -105,9 +116,11 @@ def gone_within(pids, seconds: float) -> bool:
 
 def start_parent(child_code: str, how: str, env=None):
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, child_code, how], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", PARENT, child_code, how],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     return parent, int(parent.stdout.readline())
 
 
@@ -121,8 +134,9 @@ def test_children_die_within_seconds_of_a_kill_9_of_their_parent(how, child_code
     watched = [pid, *(c.pid for c in psutil.Process(parent.pid).children(recursive=True))]
     parent.kill()
     parent.wait()
-    assert gone_within(watched, 5), [psutil.Process(p).cmdline() for p in watched
-                                     if psutil.pid_exists(p)]  # fmt: skip
+    assert gone_within(watched, 5), [
+        psutil.Process(p).cmdline() for p in watched if psutil.pid_exists(p)
+    ]
 
 
 def test_a_stale_launcher_heartbeat_ends_the_job(tmp_path):
@@ -148,11 +162,19 @@ def test_a_server_that_cannot_start_is_named_and_the_trainer_stopped(tmp_path, t
     its own error, and the trainer (waiting for it) goes down with the run."""
     grpo = os.path.join(os.path.dirname(SCRIPT), "..", "..", "examples", "grpo.py")
     config = os.path.join(os.path.dirname(grpo), "configs", "arith_grpo.yaml")
-    p, _ = launch([
-        grpo, "--config", config, "experiment_name=bad", "trial_name=t",
-        f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}",
-        "server.extra_args=[--no-such-flag]",
-    ], timeout=300)  # fmt: skip
+    p, _ = launch(
+        [
+            grpo,
+            "--config",
+            config,
+            "experiment_name=bad",
+            "trial_name=t",
+            f"cluster.fileroot={tmp_path}",
+            f"actor.path={tiny_model_dir}",
+            "server.extra_args=[--no-such-flag]",
+        ],
+        timeout=300,
+    )
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     assert "inference server 0 at" in p.stderr and "exited" in p.stderr
     assert "--no-such-flag" in p.stderr  # the server's own error, from its log tail

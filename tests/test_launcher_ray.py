@@ -48,10 +48,20 @@ def ray_address():
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     port = find_free_port()
     cmd = [
-        ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
-        "--port", str(port), "--temp-dir", temp_dir, "--include-dashboard=false",
+        ray_cli,
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--num-cpus",
+        "2",
+        "--port",
+        str(port),
+        "--temp-dir",
+        temp_dir,
+        "--include-dashboard=false",
         "--disable-usage-stats",
-    ]  # fmt: skip
+    ]
     p = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, f"ray start failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     yield f"127.0.0.1:{port}"
@@ -78,9 +88,13 @@ def launch(args, wait=True, timeout=300):
 
 def base_args(script, tmp_path, ray_address, trial="t"):
     return [
-        script, "experiment_name=ray", f"trial_name={trial}", f"cluster.fileroot={tmp_path}",
-        "train_dataset.path=arith", f"launcher.ray_address={ray_address}",
-    ]  # fmt: skip
+        script,
+        "experiment_name=ray",
+        f"trial_name={trial}",
+        f"cluster.fileroot={tmp_path}",
+        "train_dataset.path=arith",
+        f"launcher.ray_address={ray_address}",
+    ]
 
 
 def assert_dead(pids, timeout=30):
@@ -121,9 +135,14 @@ def test_failing_rank_is_named_and_the_others_are_stopped(tmp_path, tiny_model_d
 def test_killed_rank_stops_everything(tmp_path, tiny_model_dir, ray_address):
     args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
     proc = launch(
-        [*args, f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
+        [
+            *args,
+            f"model.path={tiny_model_dir}",
+            "allocation_mode=d2p1t1",
+            "launcher.env_vars=[PROBE_HANG=1]",
+        ],
         wait=False,
-    )  # fmt: skip
+    )
     ranks = wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
     os.kill(ranks[1]["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
@@ -137,9 +156,14 @@ def test_servers_serve_the_ranks_and_a_killed_server_stops_the_run(
 ):
     args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
     proc = launch(
-        [*args, f"actor.path={tiny_model_dir}", "allocation_mode=local.d2p1t1+d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
+        [
+            *args,
+            f"actor.path={tiny_model_dir}",
+            "allocation_mode=local.d2p1t1+d2p1t1",
+            "launcher.env_vars=[PROBE_HANG=1]",
+        ],
         wait=False,
-    )  # fmt: skip
+    )
     run_dir = str(tmp_path / "ray" / "t")
     ranks = wait_for_files(os.path.join(run_dir, "probe", "rank*.json"), 2, proc)
     for r in ranks:  # every rank reached both servers, whose addresses came from name_resolve
@@ -147,8 +171,10 @@ def test_servers_serve_the_ranks_and_a_killed_server_stops_the_run(
     entries = sorted((tmp_path / "name_resolve" / "ray" / "t" / "servers").rglob("ENTRY"))
     assert [json.loads(e.read_text())["value"] for e in entries] == list(ranks[0]["tokens"])
     servers = [
-        p for p in _processes_matching(re.escape(run_dir)) if "arealite.server" in " ".join(p.cmdline())
-    ]  # fmt: skip
+        p
+        for p in _processes_matching(re.escape(run_dir))
+        if "arealite.server" in " ".join(p.cmdline())
+    ]
     assert len(servers) == 2
     victim = servers[0]
     port = victim.cmdline()[victim.cmdline().index("--port") + 1]
@@ -174,10 +200,15 @@ def test_allocation_larger_than_the_ray_cluster_fails_before_starting(
 def test_arith_grpo_two_steps(tmp_path, tiny_model_dir, ray_address):
     args = [
         os.path.join(ROOT, "examples", "grpo.py"),
-        "--config", os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-        "experiment_name=ray", "trial_name=grpo", f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}", f"launcher.ray_address={ray_address}", *GRPO_SMALL,
-    ]  # fmt: skip
+        "--config",
+        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
+        "experiment_name=ray",
+        "trial_name=grpo",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        f"launcher.ray_address={ray_address}",
+        *GRPO_SMALL,
+    ]
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     check_grpo_metrics(tmp_path / "ray" / "grpo" / "metrics.jsonl")
@@ -196,9 +227,14 @@ def test_server_that_cannot_start_is_named(tmp_path, tiny_model_dir, ray_address
 def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir, ray_address):
     args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
     proc = launch(
-        [*args, f"model.path={tiny_model_dir}", "allocation_mode=d2p1t1", "launcher.env_vars=[PROBE_HANG=1]"],
+        [
+            *args,
+            f"model.path={tiny_model_dir}",
+            "allocation_mode=d2p1t1",
+            "launcher.env_vars=[PROBE_HANG=1]",
+        ],
         wait=False,
-    )  # fmt: skip
+    )
     ranks = wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

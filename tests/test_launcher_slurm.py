@@ -28,11 +28,14 @@ CLUSTER_PROBE = os.path.join(HERE, "scripts", "cluster_probe.py")
 SETUP = os.path.join(ROOT, ".ci", "setup_slurm.sh")
 # The arithmetic GRPO example, 2 steps, shrunk to what 2 shared CPU cores run in seconds.
 GRPO_SMALL = [
-    "total_train_steps=2", "train_dataset.batch_size=4", "train_dataset.options.size=64",
+    "total_train_steps=2",
+    "train_dataset.batch_size=4",
+    "train_dataset.options.size=64",
     "rollout.max_concurrent_rollouts=8",
-    "gconfig.n_samples=2", "valid_dataset=null",
+    "gconfig.n_samples=2",
+    "valid_dataset=null",
     "actor.dynamic_sampling=false",  # the untrained model scores 0: the filter would drop all
-]  # fmt: skip
+]
 
 
 def check_grpo_metrics(path) -> None:
@@ -67,8 +70,10 @@ def grpo_config(*overrides):
 )
 def test_cluster_plan(mode, nodes, gpn, expect):
     plan = plan_cluster(
-        grpo_config(f"allocation_mode={mode}", f"cluster.n_nodes={nodes}", f"cluster.n_gpus_per_node={gpn}")
-    )  # fmt: skip
+        grpo_config(
+            f"allocation_mode={mode}", f"cluster.n_nodes={nodes}", f"cluster.n_gpus_per_node={gpn}"
+        )
+    )
     for k, v in expect.items():
         assert getattr(plan, k) == v, (k, plan)
 
@@ -93,42 +98,75 @@ def test_allocation_that_does_not_fit_is_named(mode, nodes, needle):
 
 def test_multi_node_sbatch_scripts():
     cfg = grpo_config(
-        "allocation_mode=sglang.d8p1t1+d16p1t1", "cluster.n_nodes=3", "cluster.n_gpus_per_node=8",
-        "cluster.n_cpus_per_node=64", "launcher.slurm.partition=gpu", "launcher.slurm.account=acct",
-        "launcher.slurm.container_image=img.sqsh", "launcher.slurm.extra_srun_args=[--mpi=pmix]",
+        "allocation_mode=sglang.d8p1t1+d16p1t1",
+        "cluster.n_nodes=3",
+        "cluster.n_gpus_per_node=8",
+        "cluster.n_cpus_per_node=64",
+        "launcher.slurm.partition=gpu",
+        "launcher.slurm.account=acct",
+        "launcher.slurm.container_image=img.sqsh",
+        "launcher.slurm.extra_srun_args=[--mpi=pmix]",
         "launcher.env_vars=[NCCL_DEBUG=INFO]",
-    )  # fmt: skip
+    )
     plan = plan_cluster(cfg)
     servers = servers_script(cfg, plan, "/fs/e/t/logs")
     assert servers.startswith("#!/bin/bash\n")
     for needle in (
-        "#SBATCH --nodes=1", "#SBATCH --ntasks=8", "#SBATCH --gres=gpu:8",
-        "#SBATCH --cpus-per-task=8", "#SBATCH --partition=gpu", "#SBATCH --account=acct",
-        "--gres=gpu:1", "--mpi=pmix", "--container-image=img.sqsh", "--host auto",
-        "register-and-run --key e/t/servers/00007", "export NCCL_DEBUG=INFO", "wait -n",
-    ):  # fmt: skip
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=8",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=acct",
+        "--gres=gpu:1",
+        "--mpi=pmix",
+        "--container-image=img.sqsh",
+        "--host auto",
+        "register-and-run --key e/t/servers/00007",
+        "export NCCL_DEBUG=INFO",
+        "wait -n",
+    ):
         assert needle in servers, needle
     assert servers.count("srun ") == 8
     trainer = trainer_script(cfg, plan, "/fs/e/t/logs", "train.py", ["--config", "x.yaml"], ["h:1"])
     for needle in (
-        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gres=gpu:8",
-        "#SBATCH --cpus-per-task=64", "--nnodes 2 --nproc-per-node 8", "--rdzv-backend c10d",
-        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"', "--kill-on-bad-exit=1",
-        "export AREAL_LLM_SERVER_ADDRS=h:1", "export NCCL_DEBUG=INFO",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gres=gpu:8",
+        "#SBATCH --cpus-per-task=64",
+        "--nnodes 2 --nproc-per-node 8",
+        "--rdzv-backend c10d",
+        '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"',
+        "--kill-on-bad-exit=1",
+        "export AREAL_LLM_SERVER_ADDRS=h:1",
+        "export NCCL_DEBUG=INFO",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-    ):  # fmt: skip
+    ):
         assert needle in trainer, needle
     assert trainer.rstrip().endswith("train.py --config x.yaml")
 
 
 def test_too_big_allocation_fails_before_submitting(tmp_path, tiny_model_dir):
     p = subprocess.run(
-        [sys.executable, "-m", "arealite.launcher.slurm", RANK_PROBE, "experiment_name=e",
-         "trial_name=t", f"cluster.fileroot={tmp_path}", f"model.path={tiny_model_dir}",
-         "train_dataset.path=arith", "allocation_mode=d12p1t1", "cluster.n_nodes=2",
-         "cluster.n_gpus_per_node=8"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "arealite.launcher.slurm",
+            RANK_PROBE,
+            "experiment_name=e",
+            "trial_name=t",
+            f"cluster.fileroot={tmp_path}",
+            f"model.path={tiny_model_dir}",
+            "train_dataset.path=arith",
+            "allocation_mode=d12p1t1",
+            "cluster.n_nodes=2",
+            "cluster.n_gpus_per_node=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert p.returncode == 2, p.stderr
     assert "12 trainer ranks do not fill whole nodes of 8 GPU(s)" in p.stderr
     assert not (tmp_path / "e").exists()
@@ -176,9 +214,12 @@ def launch(args, env=None, wait=True, timeout=300):
 
 def base_args(script, tmp_path, trial="t"):
     return [
-        script, "experiment_name=slurm", f"trial_name={trial}", f"cluster.fileroot={tmp_path}",
+        script,
+        "experiment_name=slurm",
+        f"trial_name={trial}",
+        f"cluster.fileroot={tmp_path}",
         "train_dataset.path=arith",
-    ]  # fmt: skip
+    ]
 
 
 def check_two_ranks(run_dir) -> list[dict]:
@@ -263,8 +304,12 @@ def test_killed_rank_stops_every_process_and_job(slurm, tmp_path, tiny_model_dir
 @pytest.mark.integration
 def test_servers_register_then_killed_server_cancels_the_run(slurm, tmp_path, tiny_model_dir):
     # n_nodes=2: servers bind to and register the node's address (as on a real cluster).
-    args = [*base_args(CLUSTER_PROBE, tmp_path), f"actor.path={tiny_model_dir}",
-            "allocation_mode=local.d1p1t1+d2p1t1", "cluster.n_nodes=2"]  # fmt: skip
+    args = [
+        *base_args(CLUSTER_PROBE, tmp_path),
+        f"actor.path={tiny_model_dir}",
+        "allocation_mode=local.d1p1t1+d2p1t1",
+        "cluster.n_nodes=2",
+    ]
     proc = launch(args, env={"PROBE_HANG": "1"}, wait=False)
     run_dir = tmp_path / "slurm" / "t"
     ranks = wait_for_files(str(run_dir / "probe" / "rank*.json"), 2, proc)
@@ -274,11 +319,12 @@ def test_servers_register_then_killed_server_cancels_the_run(slurm, tmp_path, ti
     entries = list((tmp_path / "name_resolve" / "slurm" / "t" / "servers").rglob("ENTRY"))
     assert len(entries) == 1 and addrs[0][0] in entries[0].read_text()
     servers = [
-        p for p in psutil.process_iter(["cmdline"])
+        p
+        for p in psutil.process_iter(["cmdline"])
         if "arealite.server" in " ".join(p.info["cmdline"] or [])
         and str(run_dir) in " ".join(p.info["cmdline"] or [])
         and "register-and-run" not in " ".join(p.info["cmdline"] or [])
-    ]  # fmt: skip
+    ]
     assert len(servers) == 1
     servers[0].kill()
     out, err = proc.communicate(timeout=120)
@@ -303,10 +349,14 @@ def test_ctrl_c_cancels_every_job(slurm, tmp_path, tiny_model_dir):
 def test_arith_grpo_two_steps(slurm, tmp_path, tiny_model_dir):
     args = [
         os.path.join(ROOT, "examples", "grpo.py"),
-        "--config", os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-        "experiment_name=slurm", "trial_name=grpo", f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}", *GRPO_SMALL,
-    ]  # fmt: skip
+        "--config",
+        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
+        "experiment_name=slurm",
+        "trial_name=grpo",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        *GRPO_SMALL,
+    ]
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     check_grpo_metrics(tmp_path / "slurm" / "grpo" / "metrics.jsonl")

@@ -184,9 +184,11 @@ def _names_arealite(node: ast.AST) -> bool:
     """A string (or an f-string's head) naming an arealite module."""
     if isinstance(node, ast.JoinedStr) and node.values:
         node = node.values[0]
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-        node.value == "arealite" or node.value.startswith("arealite.")
-    )  # fmt: skip
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and (node.value == "arealite" or node.value.startswith("arealite."))
+    )
 
 
 def string_imports(modules: dict[str, str]) -> list[str]:

@@ -35,8 +35,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def lora_engine(tiny_model_dir, build_engine):
     def make(**lora_kw):
         lora = LoRAConfig(rank=4, alpha=8.0, **lora_kw)
-        cfg = engine_config(tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2), lora=lora,
-                            weight_update_bucket_mb=1)  # fmt: skip
+        cfg = engine_config(
+            tiny_model_dir, optimizer=OptimizerConfig(lr=1e-2), lora=lora, weight_update_bucket_mb=1
+        )
         return build_engine(FSDPLMEngine, cfg)
 
     return make
@@ -61,8 +62,11 @@ def test_only_adapters_train_and_merged_export_equals_trainer(lora_engine, tmp_p
     assert n_opt == trainable
     assert optimizer_state_bytes(engine.optimizer) == 0  # AdamW allocates at its first step
     batch = make_batch(n=4, seed=3)
-    frozen = {n: p.detach().full_tensor().clone() for n, p in engine.model.named_parameters()
-              if not p.requires_grad}  # fmt: skip
+    frozen = {
+        n: p.detach().full_tensor().clone()
+        for n, p in engine.model.named_parameters()
+        if not p.requires_grad
+    }
     losses = [engine.train_lm(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0], losses
     n_tensors = sum(1 for p in engine.model.parameters() if p.requires_grad)
@@ -95,8 +99,11 @@ def test_adapter_saves_in_peft_format(lora_engine, tmp_path, tiny_model_dir):
 
 def _adam_state(engine) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    return {f"{names[id(p)]}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-            for p, st in engine.optimizer.state.items() for k, v in st.items()}  # fmt: skip
+    return {
+        f"{names[id(p)]}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+        for p, st in engine.optimizer.state.items()
+        for k, v in st.items()
+    }
 
 
 def test_checkpoint_holds_peft_adapter_and_merged_model_on_request(lora_engine, tmp_path):
@@ -156,16 +163,27 @@ def test_bad_lora_configs_fail_clearly(lora_engine, tiny_model_dir):
     "override, error",
     [
         ("actor.lora.rank=0", "lora.rank must be >= 1, got 0"),
-        ("actor.lora.target_modules=[nothing_proj]",
-         r"actor.lora.target_modules: \['nothing_proj'\] match no module.*'v_proj'"),
+        (
+            "actor.lora.target_modules=[nothing_proj]",
+            r"actor.lora.target_modules: \['nothing_proj'\] match no module.*'v_proj'",
+        ),
     ],
-)  # fmt: skip
-def test_bad_lora_config_stops_the_launcher_before_any_server(tiny_model_dir, tmp_path,
-                                                              override, error):  # fmt: skip
+)
+def test_bad_lora_config_stops_the_launcher_before_any_server(
+    tiny_model_dir, tmp_path, override, error
+):
     """Through the real launcher: the error names the key, and no process was started."""
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py", "--config",
-           "examples/configs/arith_grpo_lora.yaml", f"cluster.fileroot={tmp_path}",
-           f"actor.path={tiny_model_dir}", override]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        "examples/grpo.py",
+        "--config",
+        "examples/configs/arith_grpo_lora.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        override,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
@@ -200,8 +218,9 @@ def test_server_logprobs_after_merged_sync_equal_the_trainer(lora_engine, tmp_pa
 
 @pytest.mark.integration
 @pytest.mark.vllm
-def test_saved_adapter_loads_into_vllm_with_the_trainers_logprobs(lora_engine, tmp_path,
-                                                                  monkeypatch):  # fmt: skip
+def test_saved_adapter_loads_into_vllm_with_the_trainers_logprobs(
+    lora_engine, tmp_path, monkeypatch
+):
     """The PEFT adapter `save_adapter` writes loads into a real vLLM server at runtime
     (`--enable-lora`, POST /v1/load_lora_adapter); sampling with it gives the trainer's
     logprobs, while the base model's differ."""
@@ -225,8 +244,15 @@ def test_saved_adapter_loads_into_vllm_with_the_trainers_logprobs(lora_engine, t
         assert r.status_code == 200, r.text
 
         def logprob_gap(model: str) -> float:
-            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
-                    "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "ignore_eos": True,
+            }
             r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
             assert r.status_code == 200, r.text
             lp = r.json()["choices"][0]["logprobs"]
@@ -247,11 +273,20 @@ def test_lora_grpo_runs_through_the_launcher(tiny_model_dir, tmp_path):
     """examples/grpo.py + arith_grpo_lora.yaml, 2 steps: the logged trainable share is under
     10% with optimizer state for the adapters only; the final checkpoint holds the merged
     model and the PEFT adapter."""
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
-           "--config", "examples/configs/arith_grpo_lora.yaml", f"cluster.fileroot={tmp_path}",
-           f"actor.path={tiny_model_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
-           "valid_dataset.options.size=4",
-           "evaluator.freq_steps=null"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        "examples/grpo.py",
+        "--config",
+        "examples/configs/arith_grpo_lora.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        "total_train_steps=2",
+        "train_dataset.batch_size=4",
+        "valid_dataset.options.size=4",
+        "evaluator.freq_steps=null",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

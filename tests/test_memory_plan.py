@@ -18,14 +18,26 @@ from arealite.launcher.preflight import load_and_check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "memory_plan.py")
 GSM8K = os.path.join(ROOT, "examples", "configs", "gsm8k_grpo.yaml")
-QWEN15 = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-              num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True)  # fmt: skip
+QWEN15 = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    tie_word_embeddings=True,
+)
 
 
 def test_parameters_match_the_real_models():
     assert ModelShape.from_hf_config(QWEN15).params == 1_543_714_304  # Qwen2.5-1.5B's count
-    q05 = dict(QWEN15, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-               intermediate_size=4864)  # fmt: skip
+    q05 = dict(
+        QWEN15,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        intermediate_size=4864,
+    )
     assert ModelShape.from_hf_config(q05).params == 494_032_768  # Qwen2.5-0.5B's
 
 
@@ -55,11 +67,16 @@ def test_shipped_gsm8k_fits_and_one_shared_gpu_is_refused_naming_the_knobs():
         check_plan(plan_memory(shared, shape, 79.6 * GIB), warnings.append)
     msg = str(e.value)
     assert "needs 100.7 GiB but has 79.6" in msg
-    for knob in ("actor.mb_spec.max_tokens_per_mb", "server.mem_fraction_static",
-                 "cluster.share_gpus=false", "cluster.gpu_memory_gb"):  # fmt: skip
+    for knob in (
+        "actor.mb_spec.max_tokens_per_mb",
+        "server.mem_fraction_static",
+        "cluster.share_gpus=false",
+        "cluster.gpu_memory_gb",
+    ):
         assert knob in msg
-    smaller = gsm8k("cluster.n_gpus_per_node=1", "cluster.share_gpus=true",
-                    "server.mem_fraction_static=0.4")  # fmt: skip
+    smaller = gsm8k(
+        "cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "server.mem_fraction_static=0.4"
+    )
     check_plan(plan_memory(smaller, shape, 79.6 * GIB), warnings.append)  # 86%: no warning
     check_plan(plan_memory(smaller, shape, 72 * GIB), warnings.append)
     assert len(warnings) == 1 and "91%" in warnings[0]
@@ -76,10 +93,14 @@ def test_activation_knobs_shrink_the_trainer():
 
 
 def test_preflight_refuses_before_anything_starts(tmp_path, tiny_model_dir):
-    argv = [os.path.join(ROOT, "examples", "grpo.py"), "--config",
-            os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-            f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}",
-            "cluster.n_gpus_per_node=2"]  # fmt: skip
+    argv = [
+        os.path.join(ROOT, "examples", "grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        "cluster.n_gpus_per_node=2",
+    ]
     load_and_check([*argv, "cluster.gpu_memory_gb=8"])
     with pytest.raises(ConfigError, match="GPU with trainer rank needs .* GiB but has 0.5"):
         load_and_check([*argv, "cluster.gpu_memory_gb=0.5"])
@@ -88,8 +109,14 @@ def test_preflight_refuses_before_anything_starts(tmp_path, tiny_model_dir):
 def test_gpu_bench_dry_mode_prints_the_plans(tmp_path):
     """`bash bench/gpu_run.sh OUT dry`: the GPU bench's CPU mode (bench/memory_plan.py --dry)."""
     script = os.path.join(ROOT, "bench", "gpu_run.sh")
-    out = subprocess.run(["bash", script, str(tmp_path), "dry"], capture_output=True, text=True,
-                         timeout=120, check=True, env={**os.environ, "PY": sys.executable}).stdout  # fmt: skip
+    out = subprocess.run(
+        ["bash", script, str(tmp_path), "dry"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "PY": sys.executable},
+    ).stdout
     assert (tmp_path / "memory_plan.log").read_text() == out
     for model in ("Qwen2.5-0.5B", "Qwen2.5-1.5B"):
         assert f"== {model}, as shipped (server GPU 0, trainer GPU 1): fits" in out
@@ -101,8 +128,13 @@ def test_gpu_bench_dry_mode_prints_the_plans(tmp_path):
 def test_the_trainer_estimate_is_within_20_percent_of_the_measured_peak():
     """Two real fp32 train steps per case (bench/memory_plan.py): a model with gradient
     checkpointing, and one whose logits (a 16k vocabulary x 2048 tokens) dominate."""
-    out = subprocess.run([sys.executable, BENCH, "--measure", "checkpointing", "logits"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, BENCH, "--measure", "checkpointing", "logits"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
     recs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["case"] for r in recs] == ["checkpointing", "logits"]
     for r in recs:

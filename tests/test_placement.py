@@ -19,8 +19,14 @@ from arealite.launcher.servers import plan_servers
 
 
 def config(tmp_path, allocation: str, gpus_per_node: int) -> GRPOConfig:
-    args = [f"allocation_mode={allocation}", f"cluster.fileroot={tmp_path}", "actor.path=x",
-            "experiment_name=e", "trial_name=t", f"cluster.n_gpus_per_node={gpus_per_node}"]  # fmt: skip
+    args = [
+        f"allocation_mode={allocation}",
+        f"cluster.fileroot={tmp_path}",
+        "actor.path=x",
+        "experiment_name=e",
+        "trial_name=t",
+        f"cluster.n_gpus_per_node={gpus_per_node}",
+    ]
     return load_expr_config(args, GRPOConfig)
 
 
@@ -155,16 +161,32 @@ def fake_nvidia_smi(tmp_path, n: int) -> dict[str, str]:
 
 def launch(tmp_path, model: str, overrides: list[str], env: dict[str, str]):
     script = os.path.join(os.path.dirname(__file__), "scripts", "env_probe.py")
-    args = [script, "experiment_name=p", "trial_name=t", f"cluster.fileroot={tmp_path}",
-            f"actor.path={model}", "train_dataset.path=arith", *overrides]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "arealite.launcher.local", *args], env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    args = [
+        script,
+        "experiment_name=p",
+        "trial_name=t",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={model}",
+        "train_dataset.path=arith",
+        *overrides,
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "arealite.launcher.local", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_the_launcher_refuses_more_gpus_than_the_node_shows(tmp_path, tiny_model_dir):
     env = fake_nvidia_smi(tmp_path, 2)
-    p = launch(tmp_path, tiny_model_dir, ["allocation_mode=sglang.d2p1t1+d2p1t1",
-                                          "cluster.n_gpus_per_node=4"], env)  # fmt: skip
+    p = launch(
+        tmp_path,
+        tiny_model_dir,
+        ["allocation_mode=sglang.d2p1t1+d2p1t1", "cluster.n_gpus_per_node=4"],
+        env,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "cluster.n_gpus_per_node=4 but this node shows 2 GPU(s)" in p.stderr
     assert not (tmp_path / "p" / "t" / "logs").exists()  # nothing started
@@ -175,8 +197,16 @@ def test_the_launcher_prints_the_plan_and_pins_each_side(tmp_path, tiny_model_di
     """Two fake GPUs: the embedded server gets GPU 0, the trainer's torchrun GPU 1 (torch
     here sees no CUDA, so both still compute on the CPU) and SGLang's NCCL settings."""
     env = fake_nvidia_smi(tmp_path, 2)
-    p = launch(tmp_path, tiny_model_dir, ["allocation_mode=local.d1p1t1+d1p1t1",
-                                          "cluster.n_gpus_per_node=2", "server.dtype=float32"], env)  # fmt: skip
+    p = launch(
+        tmp_path,
+        tiny_model_dir,
+        [
+            "allocation_mode=local.d1p1t1+d1p1t1",
+            "cluster.n_gpus_per_node=2",
+            "server.dtype=float32",
+        ],
+        env,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "server0: GPU 0" in p.stderr and "trainer rank 0: GPU 1" in p.stderr
     got = json.loads((tmp_path / "p" / "t" / "env0.json").read_text())

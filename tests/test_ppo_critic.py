@@ -36,8 +36,12 @@ def test_ppo_preset_needs_a_critic_and_group_presets_refuse_one(tiny_model_dir):
         load_expr_config(base + ["actor.preset=grpo", f"critic.path={tiny_model_dir}"], GRPOConfig)
     cfg = load_expr_config(base + ["actor.preset=ppo", f"critic.path={tiny_model_dir}"], GRPOConfig)
     assert cfg.critic.is_critic and cfg.actor.gae_lambda == 0.95
-    shipped = ["--config", "examples/configs/arith_ppo.yaml", f"actor.path={tiny_model_dir}",
-               f"critic.path={tiny_model_dir}"]  # fmt: skip
+    shipped = [
+        "--config",
+        "examples/configs/arith_ppo.yaml",
+        f"actor.path={tiny_model_dir}",
+        f"critic.path={tiny_model_dir}",
+    ]
     assert load_expr_config(shipped, GRPOConfig).critic is not None
     with pytest.raises(ConfigError, match="critic.warmup_steps must be >= 0"):
         load_expr_config(shipped + ["critic.warmup_steps=-1"], GRPOConfig)
@@ -74,10 +78,23 @@ def run_two_gloo_ranks(mode: str, model_dir: str, out) -> dict:
     """tests/_torchrun_fsdp.py --mode MODE on 2 gloo ranks; rank 0's stats and weights."""
     script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(find_free_port()), script, "--mode", mode,
-        "--model", model_dir, "--out", str(out), "--hf-dir", str(out) + "_hf",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(find_free_port()),
+        script,
+        "--mode",
+        mode,
+        "--model",
+        model_dir,
+        "--out",
+        str(out),
+        "--hf-dir",
+        str(out) + "_hf",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -105,13 +122,23 @@ def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
     critic's value loss and explained variance reach metrics.jsonl every step, the actor
     trains only after the warm-up."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
-           "--config", "examples/configs/arith_ppo.yaml", f"cluster.fileroot={tmp_path}",
-           f"actor.path={tiny_model_dir}", f"critic.path={tiny_model_dir}",
-           "rollout.max_head_offpolicyness=0", "total_train_steps=2",
-           "critic.warmup_steps=1",
-           "train_dataset.batch_size=4",
-           "valid_dataset.options.size=4", "evaluator.freq_steps=null"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        "examples/grpo.py",
+        "--config",
+        "examples/configs/arith_ppo.yaml",
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+        f"critic.path={tiny_model_dir}",
+        "rollout.max_head_offpolicyness=0",
+        "total_train_steps=2",
+        "critic.warmup_steps=1",
+        "train_dataset.batch_size=4",
+        "valid_dataset.options.size=4",
+        "evaluator.freq_steps=null",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

@@ -11,8 +11,9 @@ from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig
 from arealite.api.config_loader import load_expr_config
 from arealite.launcher.preflight import check_master_weight_precision, check_weight_update
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                       "configs")  # fmt: skip
+CONFIGS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs"
+)
 
 
 def grpo(tmp_path, *overrides) -> GRPOConfig:
@@ -29,17 +30,26 @@ def test_bf16_master_weights_with_a_tiny_lr_are_refused(tmp_path):
     assert "actor.dtype=float32" in msg and "actor.fsdp.param_dtype=bfloat16" in msg
 
 
-@pytest.mark.parametrize("overrides", [
-    ["actor.dtype=float32", "actor.optimizer.lr=1e-6", "actor.fsdp.param_dtype=bfloat16"],
-    ["actor.dtype=bfloat16", "actor.optimizer.lr=1e-3"],  # large enough to move bf16 weights
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor.dtype=float32", "actor.optimizer.lr=1e-6", "actor.fsdp.param_dtype=bfloat16"],
+        ["actor.dtype=bfloat16", "actor.optimizer.lr=1e-3"],  # large enough to move bf16 weights
+    ],
+)
 def test_representable_updates_pass(tmp_path, overrides):
     check_master_weight_precision(grpo(tmp_path, *overrides))
 
 
 def test_sft_models_are_checked_too(tmp_path):
-    args = [f"cluster.fileroot={tmp_path}", "model.path=x", "experiment_name=e", "trial_name=t",
-            "model.dtype=bfloat16", "model.optimizer.lr=1e-5"]  # fmt: skip
+    args = [
+        f"cluster.fileroot={tmp_path}",
+        "model.path=x",
+        "experiment_name=e",
+        "trial_name=t",
+        "model.dtype=bfloat16",
+        "model.optimizer.lr=1e-5",
+    ]
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         check_master_weight_precision(load_expr_config(args, SFTConfig))
 

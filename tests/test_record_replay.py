@@ -34,17 +34,33 @@ PARITY_REWARD = (
 def overrides(root: str, trial: str, model: str, *extra: str) -> list[str]:
     """Small, fast, fp32 on both sides, synchronous; one step."""
     return [
-        f"cluster.fileroot={root}", "experiment_name=rr", f"trial_name={trial}",
-        f"actor.path={model}", "total_train_steps=1", f"train_dataset.batch_size={PROMPTS}",
-        f"gconfig.n_samples={SAMPLES}", "gconfig.max_new_tokens=4", "valid_dataset=null",
-        "rollout.max_head_offpolicyness=0", "actor.dynamic_sampling=false",
-        "actor.fsdp.param_dtype=float32", "server.dtype=float32", *extra,
-    ]  # fmt: skip
+        f"cluster.fileroot={root}",
+        "experiment_name=rr",
+        f"trial_name={trial}",
+        f"actor.path={model}",
+        "total_train_steps=1",
+        f"train_dataset.batch_size={PROMPTS}",
+        f"gconfig.n_samples={SAMPLES}",
+        "gconfig.max_new_tokens=4",
+        "valid_dataset=null",
+        "rollout.max_head_offpolicyness=0",
+        "actor.dynamic_sampling=false",
+        "actor.fsdp.param_dtype=float32",
+        "server.dtype=float32",
+        *extra,
+    ]
 
 
 def launch(args: list[str], timeout: float = 150) -> str:
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py", "--config", YAML,
-           *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        "examples/grpo.py",
+        "--config",
+        YAML,
+        *args,
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"launcher exited with {p.returncode}:\n{out[-6000:]}"
@@ -61,15 +77,17 @@ def metrics(run_dir: str) -> list[dict]:
 
 def test_bad_mode_names_the_key(tiny_model_dir):
     with pytest.raises(ConfigError, match="mode='replay'.*train, rollout_only, train_only"):
-        load_expr_config(["--config", YAML, f"actor.path={tiny_model_dir}", "mode=replay"],
-                         GRPOConfig)  # fmt: skip
+        load_expr_config(
+            ["--config", YAML, f"actor.path={tiny_model_dir}", "mode=replay"], GRPOConfig
+        )
 
 
 @pytest.mark.parametrize("mode", ["rollout_only", "train_only"])
 def test_modes_need_a_record_dir(tiny_model_dir, mode):
     with pytest.raises(ConfigError, match=f"mode={mode} needs rollout.record"):
-        load_expr_config(["--config", YAML, f"actor.path={tiny_model_dir}", f"mode={mode}"],
-                         GRPOConfig)  # fmt: skip
+        load_expr_config(
+            ["--config", YAML, f"actor.path={tiny_model_dir}", f"mode={mode}"], GRPOConfig
+        )
 
 
 def test_train_only_starts_no_server(tiny_model_dir, tmp_path):
@@ -89,8 +107,13 @@ def test_train_only_without_a_recording_names_the_path(tiny_model_dir, tmp_path)
         check_recording(str(empty))
     # The training script checks it first, before building any engine.
     main = runpy.run_path(os.path.join(REPO, "examples", "grpo.py"))["main"]
-    argv = ["--config", YAML, *overrides(str(tmp_path), "t", tiny_model_dir),
-            "mode=train_only", f"rollout.record={empty}"]  # fmt: skip
+    argv = [
+        "--config",
+        YAML,
+        *overrides(str(tmp_path), "t", tiny_model_dir),
+        "mode=train_only",
+        f"rollout.record={empty}",
+    ]
     with pytest.raises(ConfigError, match=str(empty)):
         main(argv)
 
@@ -103,11 +126,18 @@ def test_recording_rebuilds_the_batch_exactly(tmp_path):
     equals the recorded one key by key (dtypes and padding included)."""
 
     def episode(lengths, reward):
-        rows = [{"input_ids": torch.arange(n) + 3, "attention_mask": torch.ones(n, dtype=torch.bool),
-                 "loss_mask": torch.tensor([0] * 2 + [1] * (n - 2), dtype=torch.int32),
-                 "logprobs": torch.randn(n), "versions": torch.full((n,), 1, dtype=torch.int32),
-                 "rewards": torch.tensor(reward), "seq_no_eos_mask": torch.tensor(n > 4)}
-                for n in lengths]  # fmt: skip
+        rows = [
+            {
+                "input_ids": torch.arange(n) + 3,
+                "attention_mask": torch.ones(n, dtype=torch.bool),
+                "loss_mask": torch.tensor([0] * 2 + [1] * (n - 2), dtype=torch.int32),
+                "logprobs": torch.randn(n),
+                "versions": torch.full((n,), 1, dtype=torch.int32),
+                "rewards": torch.tensor(reward),
+                "seq_no_eos_mask": torch.tensor(n > 4),
+            }
+            for n in lengths
+        ]
         return pad_sequences_to_tensors(rows)
 
     batch = concat_padded_tensors([episode([3, 5], 1.0), episode([6, 4], 0.0)])
@@ -128,8 +158,9 @@ def test_recording_rebuilds_the_batch_exactly(tmp_path):
         assert set(got.keys()) == set(expected.keys())
         for k in expected.keys():
             assert got[k].dtype == expected[k].dtype, k
-            assert torch.equal(got[k], expected[k][:, : got[k].shape[1]] if got[k].ndim > 1
-                               else expected[k]), k  # fmt: skip
+            assert torch.equal(
+                got[k], expected[k][:, : got[k].shape[1]] if got[k].ndim > 1 else expected[k]
+            ), k
 
 
 # --------------------------------------------------------------------------- launcher runs
@@ -168,8 +199,16 @@ def test_train_only_reproduces_the_online_first_update(online, tiny_model_dir):
 @pytest.mark.timeout(200)
 def test_rollout_only_records_without_a_trainer(tmp_path, tiny_model_dir):
     record = tmp_path / "rec"
-    launch(overrides(str(tmp_path), "ro", tiny_model_dir, "mode=rollout_only",
-                     f"rollout.record={record}", "total_train_steps=2"))  # fmt: skip
+    launch(
+        overrides(
+            str(tmp_path),
+            "ro",
+            tiny_model_dir,
+            "mode=rollout_only",
+            f"rollout.record={record}",
+            "total_train_steps=2",
+        )
+    )
     replay = RecordedBatches(str(record), 0)
     assert replay.n_steps == 2
     for step in (0, 1):

@@ -33,11 +33,17 @@ TIMING_KEYS = ("wall_time", "time", "rollout/server_", "rollout/interrupted_requ
 
 def launcher_cmd(script: str, config: str, fileroot, trial: str, overrides: list[str]):
     return [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(ROOT, "examples", script),
-        "--config", os.path.join(ROOT, "examples", "configs", config),
-        "experiment_name=recover", f"trial_name={trial}", f"cluster.fileroot={fileroot}",
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(ROOT, "examples", script),
+        "--config",
+        os.path.join(ROOT, "examples", "configs", config),
+        "experiment_name=recover",
+        f"trial_name={trial}",
+        f"cluster.fileroot={fileroot}",
         *overrides,
-    ]  # fmt: skip
+    ]
 
 
 def start(cmd, log_path, env=None) -> subprocess.Popen:
@@ -130,9 +136,10 @@ def assert_same_metrics(a: list[dict], b: list[dict]) -> None:
             # (seen: 4.8e-7 vs 1.7e-6 for the same step), so compared at the noise's scale
             abs_tol = 1e-5 if k.startswith("behave_") else 1e-6
             same = x == y or (
-                isinstance(x, float) and isinstance(y, float)
+                isinstance(x, float)
+                and isinstance(y, float)
                 and math.isclose(x, y, rel_tol=1e-5, abs_tol=abs_tol)
-            )  # fmt: skip
+            )
             assert same, f"step {ra['step']} {k}: {x} != {y}"
 
 
@@ -169,11 +176,22 @@ ARITH = ["train_dataset.options.n_operands=2"]  # 1-digit sums: a few SFT steps 
 
 def sft_cmd(fileroot, model_dir, trial):
     return launcher_cmd(
-        "sft.py", "arith_sft.yaml", fileroot, trial,
-        [f"model.path={model_dir}", f"total_train_steps={SFT_STEPS}", "train_dataset.options.size=1024",
-         "train_dataset.batch_size=32", *ARITH, "recover.mode=auto", "recover.freq_steps=1",
-         "recover.retries=2", "stats_logger.print_every=1"],
-    )  # fmt: skip
+        "sft.py",
+        "arith_sft.yaml",
+        fileroot,
+        trial,
+        [
+            f"model.path={model_dir}",
+            f"total_train_steps={SFT_STEPS}",
+            "train_dataset.options.size=1024",
+            "train_dataset.batch_size=32",
+            *ARITH,
+            "recover.mode=auto",
+            "recover.freq_steps=1",
+            "recover.retries=2",
+            "stats_logger.print_every=1",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -219,16 +237,31 @@ GRPO_STEPS = 10
 
 def grpo_cmd(fileroot, model_dir, trial, extra=()):
     return launcher_cmd(
-        "grpo.py", "arith_grpo.yaml", fileroot, trial,
-        [f"actor.path={model_dir}", f"total_train_steps={GRPO_STEPS}", *ARITH,
-         "train_dataset.options.size=256", "train_dataset.batch_size=4",
-         "rollout.max_concurrent_rollouts=8", "gconfig.n_samples=4",
-         "gconfig.seed=7", "server.dtype=float32", "actor.fsdp.param_dtype=float32",
-         "valid_dataset.options.size=8", "valid_dataset.batch_size=8", "recover.mode=auto",
-         "recover.freq_steps=1", "recover.retries=2",
-         # every item trained exactly once: the demo's dynamic sampling drops some by design
-         "actor.dynamic_sampling=false", *extra],
-    )  # fmt: skip
+        "grpo.py",
+        "arith_grpo.yaml",
+        fileroot,
+        trial,
+        [
+            f"actor.path={model_dir}",
+            f"total_train_steps={GRPO_STEPS}",
+            *ARITH,
+            "train_dataset.options.size=256",
+            "train_dataset.batch_size=4",
+            "rollout.max_concurrent_rollouts=8",
+            "gconfig.n_samples=4",
+            "gconfig.seed=7",
+            "server.dtype=float32",
+            "actor.fsdp.param_dtype=float32",
+            "valid_dataset.options.size=8",
+            "valid_dataset.batch_size=8",
+            "recover.mode=auto",
+            "recover.freq_steps=1",
+            "recover.retries=2",
+            # every item trained exactly once: the demo's dynamic sampling drops some by design
+            "actor.dynamic_sampling=false",
+            *extra,
+        ],
+    )
 
 
 def sft_model(sft_reference) -> str:
@@ -239,9 +272,10 @@ def sft_model(sft_reference) -> str:
 # logprobs, which vary by ~1e-7 with the server's batch composition, never reach a gradient.
 # (With the decoupled loss they do, and any two runs, interrupted or not, agree to ~1e-5.)
 SYNC = [
-    "rollout.max_head_offpolicyness=0", "actor.recompute_logprob=true",
+    "rollout.max_head_offpolicyness=0",
+    "actor.recompute_logprob=true",
     "actor.use_decoupled_loss=false",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +318,7 @@ def pulled_and_pending(run_dir, per_pull: int) -> tuple[list[str], set[str]]:
     from arealite.tasks import get_custom_dataset
     from arealite.trainer.recover import ResumableSampler
 
-    ds = get_custom_dataset("arith", type="rl", split="train", size=256, max_digits=1,
-                            n_operands=2)  # fmt: skip
+    ds = get_custom_dataset("arith", type="rl", split="train", size=256, max_digits=1, n_operands=2)
     order = [ds[i]["query_id"] for i in ResumableSampler(len(ds), True, seed=1)]
     state = json.loads((run_dir / "recover" / "checkpoint" / "rank0.json").read_text())
     end = state["states"]["dataloader"]["_sampler_iter_state"]["sampler_state"]
@@ -314,8 +347,11 @@ def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
     queued, running and finished-but-unconsumed, then rerun. Every pulled item is trained on
     exactly once or still pending, none is skipped, and staleness stays <= eta after resume."""
     run_dir, log = tmp_path / "recover" / "async", tmp_path / "async.log"
-    extra = [f"rollout.max_head_offpolicyness={ETA}",
-             f"total_train_steps={ASYNC_STEPS}", "actor.use_decoupled_loss=true"]  # fmt: skip
+    extra = [
+        f"rollout.max_head_offpolicyness={ETA}",
+        f"total_train_steps={ASYNC_STEPS}",
+        "actor.use_decoupled_loss=true",
+    ]
     cmd = grpo_cmd(tmp_path, sft_model(sft_reference), "async", extra)
     proc = start(cmd, log)
     wait_for_step(proc, run_dir, 3, log)
@@ -371,9 +407,10 @@ def test_a_server_killed_mid_run_is_restarted_and_nothing_is_lost(
     proc = start(cmd, log, env={"AREAL_SERVER_API_KEY": key})
     wait_for_step(proc, run_dir, 2, log)
     servers = [
-        p for p in psutil.Process(proc.pid).children(recursive=True)
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
         if "arealite.server" in p.cmdline()
-    ]  # fmt: skip
+    ]
     assert len(servers) == 2
     victim = servers[0]
     port = victim.cmdline()[victim.cmdline().index("--port") + 1]
@@ -464,9 +501,11 @@ def test_reward_nan_raise_and_garbage_score_zero_and_are_counted():
 
     async def score():
         return await asyncio.gather(
-            *(pool(prompt="", completions="", prompt_ids=[], completion_ids=[], target=t)
-              for t in targets)
-        )  # fmt: skip
+            *(
+                pool(prompt="", completions="", prompt_ids=[], completion_ids=[], target=t)
+                for t in targets
+            )
+        )
 
     try:
         assert asyncio.run(score()) == [0.0, 0.0, 0.0, 0.0, 0.5]
@@ -521,9 +560,12 @@ print(json.dumps({"error": error, "start": start, "next": next(iter(loader2)).to
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir):
     proc = subprocess.run(
         [sys.executable, "-c", CHECKPOINT_SCRIPT, tiny_model_dir, str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={**os.environ, "WORLD_SIZE": "1", "RANK": "0", "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "recover checkpoint for step 2 failed" in out["error"]
@@ -607,8 +649,9 @@ def test_a_seeded_request_resumed_after_an_abort_continues_the_same_tokens(tiny_
 
     def generate(ids, n, seed=11):
         sp = {"max_new_tokens": n, "ignore_eos": True, "sampling_seed": seed, "temperature": 1.0}
-        r = session.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sp},
-                         timeout=60)  # fmt: skip
+        r = session.post(
+            f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=60
+        )
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]
 

@@ -183,9 +183,15 @@ def test_reward_weights_must_match():
 
     with pytest.raises(ConfigError, match="reward_weights has 1 entries for 2 rewards"):
         load_expr_config(
-            ["experiment_name=x", "trial_name=y", "actor.path=m", "reward=[arith,math_verify]",
-             "reward_weights=[1.0]"], GRPOConfig,
-        )  # fmt: skip
+            [
+                "experiment_name=x",
+                "trial_name=y",
+                "actor.path=m",
+                "reward=[arith,math_verify]",
+                "reward_weights=[1.0]",
+            ],
+            GRPOConfig,
+        )
 
 
 def test_contract_reward_in_worker_processes_async_and_errors_counted(rewards_file, caplog):
@@ -195,13 +201,17 @@ def test_contract_reward_in_worker_processes_async_and_errors_counted(rewards_fi
 
     from arealite.reward import make_reward_pool
 
-    pool = make_reward_pool([f"{rewards_file}:exact", f"{rewards_file}:slow_ok",
-                             f"{rewards_file}:flaky"], [1.0, 2.0, 10.0], workers=1, timeout=20)  # fmt: skip
+    pool = make_reward_pool(
+        [f"{rewards_file}:exact", f"{rewards_file}:slow_ok", f"{rewards_file}:flaky"],
+        [1.0, 2.0, 10.0],
+        workers=1,
+        timeout=20,
+    )
 
     async def score_all():
-        return await asyncio.gather(*(
-            pool("p", "4", [1], [2], answer="4", bonus=0, query_id=f"q-{i}") for i in range(8)
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(pool("p", "4", [1], [2], answer="4", bonus=0, query_id=f"q-{i}") for i in range(8))
+        )
 
     try:
         with caplog.at_level(logging.WARNING, logger="arealite.reward"):

@@ -109,7 +109,11 @@ def test_config_knobs_are_validated():
     cfg = InferenceEngineConfig(reward_fail_fast_steps=2, max_reward_error_rate=0.25)
     assert cfg.reward_fail_fast() == FailFast(2, 0.25, 256)
     assert InferenceEngineConfig().reward_fail_fast() == FailFast(1, 0.5, 256)
-    for bad in ({"max_reward_error_rate": 1.5}, {"reward_error_window": 0},
-                {"reward_fail_fast_steps": -1}, {"no_signal_steps": -1}):  # fmt: skip
+    for bad in (
+        {"max_reward_error_rate": 1.5},
+        {"reward_error_window": 0},
+        {"reward_fail_fast_steps": -1},
+        {"no_signal_steps": -1},
+    ):
         with pytest.raises(ConfigError, match="rollout."):
             InferenceEngineConfig(**bad)

@@ -150,8 +150,15 @@ def test_launcher_preflight_takes_preference_data_for_a_reward_model_run(tmp_pat
 
 
 def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
-    cmd = [sys.executable, "-m", "arealite.launcher.local", f"examples/{script}",
-           "--config", yaml, *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        f"examples/{script}",
+        "--config",
+        yaml,
+        *overrides,
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return p.stdout + p.stderr
@@ -169,8 +176,14 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     """examples/rm.py through the launcher, then GRPO with `reward:` naming its checkpoint: the
     reward worker scores with it (scores differ per sample, no reward errors)."""
     root = str(tmp_path / "runs")
-    launch("rm.py", RM_YAML, f"model.path={tiny_model_dir}", f"cluster.fileroot={root}",
-           "total_train_steps=20", "valid_dataset.options.size=64")  # fmt: skip
+    launch(
+        "rm.py",
+        RM_YAML,
+        f"model.path={tiny_model_dir}",
+        f"cluster.fileroot={root}",
+        "total_train_steps=20",
+        "valid_dataset.options.size=64",
+    )
     (rm_dir,) = glob.glob(f"{root}/arith-rm/demo/checkpoints/final/*/")
     scorer = resolve_reward(rm_dir)
     tok = AutoTokenizer.from_pretrained(rm_dir)
@@ -178,12 +191,21 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     right, wrong = (scorer("", a, prompt, tok(a)["input_ids"]) for a in ("5", "27"))
     assert right > wrong  # the trained preference, read at the appended EOS
     grpo = os.path.join(REPO, "examples", "configs", "arith_grpo.yaml")
-    launch("grpo.py", grpo, f"actor.path={tiny_model_dir}", f"cluster.fileroot={root}",
-           f"reward={rm_dir}", "total_train_steps=2", "train_dataset.batch_size=4",
-           "gconfig.n_samples=4",
-           "train_dataset.options.n_operands=2", "valid_dataset.options.size=8",
-           "valid_dataset.options.n_operands=2", "evaluator.freq_steps=null",
-           "eval_reward=arith")  # fmt: skip
+    launch(
+        "grpo.py",
+        grpo,
+        f"actor.path={tiny_model_dir}",
+        f"cluster.fileroot={root}",
+        f"reward={rm_dir}",
+        "total_train_steps=2",
+        "train_dataset.batch_size=4",
+        "gconfig.n_samples=4",
+        "train_dataset.options.n_operands=2",
+        "valid_dataset.options.size=8",
+        "valid_dataset.options.n_operands=2",
+        "evaluator.freq_steps=null",
+        "eval_reward=arith",
+    )
     lines = open(f"{root}/arith-grpo/demo/metrics.jsonl").read().splitlines()
     records = [r for r in map(json.loads, lines) if "ppo_actor/reward_raw" in r]
     assert len(records) == 2, lines
@@ -231,7 +253,11 @@ def test_grpo_eval_reward_is_checked_like_reward(tiny_model_dir):
 
 
 def test_rm_config_rejects_unknown_arith_preference_options(tiny_model_dir):
-    base = ["experiment_name=x", "trial_name=y", f"model.path={tiny_model_dir}",
-            "train_dataset.path=arith_preferences"]  # fmt: skip
+    base = [
+        "experiment_name=x",
+        "trial_name=y",
+        f"model.path={tiny_model_dir}",
+        "train_dataset.path=arith_preferences",
+    ]
     with pytest.raises(ConfigError, match=r"train_dataset.options: unknown .*\['max_offest'\]"):
         load_expr_config(base + ["train_dataset.options.max_offest=3"], RMConfig)

@@ -54,11 +54,14 @@ def implicit_rm(tiny_model_dir, tiny_model_dir_v2, build_engine):
     def make(max_tokens=None, head="implicit"):
         ref = tiny_model_dir_v2 if head == "implicit" else None
         cfg = RMEngineConfig(
-            path=tiny_model_dir, head=head, beta=BETA, reference=ref,
+            path=tiny_model_dir,
+            head=head,
+            beta=BETA,
+            reference=ref,
             fsdp=FSDPConfig(param_dtype="float32", reduce_dtype="float32"),
             mb_spec=MicroBatchSpec(max_tokens_per_mb=max_tokens),
             optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
-        )  # fmt: skip
+        )
         return build_engine(FSDPImplicitRewardModel, cfg)
 
     return make
@@ -111,8 +114,12 @@ def test_implicit_batches_without_reference_scores_fail_naming_them(implicit_rm,
 
 
 def test_rm_head_config_is_validated(tiny_model_dir):
-    base = ["experiment_name=x", "trial_name=y", f"model.path={tiny_model_dir}",
-            "train_dataset.path=arith_preferences"]  # fmt: skip
+    base = [
+        "experiment_name=x",
+        "trial_name=y",
+        f"model.path={tiny_model_dir}",
+        "train_dataset.path=arith_preferences",
+    ]
     cfg = load_expr_config(base + ["model.head=implicit"], RMConfig)
     assert cfg.model.head == "implicit" and not cfg.model.is_critic
     assert load_expr_config(base, RMConfig).model.is_critic  # scalar by default

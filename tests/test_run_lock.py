@@ -31,8 +31,9 @@ def hold_in_child(run_dir, mode: str, ttl: float = 60.0) -> tuple[subprocess.Pop
     """Another process that owns the run directory; (process, its fencing token)."""
     p = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(run_dir), mode, str(ttl)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     return p, int(p.stdout.readline())
 
 
@@ -77,8 +78,16 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_and_logged(
 def test_a_lease_from_another_host_holds_until_it_expires(tmp_path, monkeypatch):
     """Across hosts only the heartbeat tells whether the holder lives."""
     monkeypatch.delenv(FENCING_TOKEN_ENV, raising=False)
-    record = {"host": "node-b", "pid": 1234, "started": time.time() - 100, "token": 4,
-              "renewed": time.time(), "ttl": 2.0, "nonce": "x", "released": False}  # fmt: skip
+    record = {
+        "host": "node-b",
+        "pid": 1234,
+        "started": time.time() - 100,
+        "token": 4,
+        "renewed": time.time(),
+        "ttl": 2.0,
+        "nonce": "x",
+        "released": False,
+    }
     (tmp_path / "run.lock").write_text(json.dumps(record))
     with pytest.raises(RunLockHeld, match="pid 1234 on host node-b"):
         RunLock(str(tmp_path), mode="lease").acquire()

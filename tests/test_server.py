@@ -196,8 +196,15 @@ def test_max_new_tokens_and_stop_token_ids_and_min_new_tokens(server):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
     first = base[0]
-    held = generate(server, p, max_new_tokens=20, temperature=0, ignore_eos=True,
-                    stop_token_ids=[first], min_new_tokens=3)["output_ids"]  # fmt: skip
+    held = generate(
+        server,
+        p,
+        max_new_tokens=20,
+        temperature=0,
+        ignore_eos=True,
+        stop_token_ids=[first],
+        min_new_tokens=3,
+    )["output_ids"]
     assert first not in held[:3] and len(held) >= 3
     assert first not in held[:-1]  # finishes at the first allowed occurrence (or by length)
 
@@ -318,8 +325,14 @@ def test_weight_versions_only_move_forward_unless_a_newer_owner_pushes(server, t
     assert status == 409, res
     got = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
     assert got["weight_version"] == v - 5
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir,
-                "fencing_token": "x"})[0] == 400  # fmt: skip
+    assert (
+        post(
+            server,
+            "/update_weights_from_disk",
+            {"model_path": tiny_model_dir, "fencing_token": "x"},
+        )[0]
+        == 400
+    )
 
 
 @pytest.mark.integration
@@ -346,8 +359,12 @@ def test_weights_load_only_from_allowed_roots_checked_before_reading(
     with launch_server(str(model), dtype="float32", api_key=API_KEY) as s:
 
         def load(path, version):
-            return post(s, "/update_weights_from_disk",
-                        {"model_path": str(path), "weight_version": version}, timeout=20)  # fmt: skip
+            return post(
+                s,
+                "/update_weights_from_disk",
+                {"model_path": str(path), "weight_version": version},
+                timeout=20,
+            )
 
         for path in ("/etc", trap, model / "escape", model / "half", tmp_path):
             status, res = load(path, 1)
@@ -450,14 +467,29 @@ def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_di
     assert generate(server, p, **sp)["output_ids"] != want
 
     if not torch.cuda.is_available():  # NCCL on a CPU server: a clear refusal, not a hang
-        status, res = post(server, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1,
-            "world_size": 2, "group_name": "g", "backend": "nccl"})  # fmt: skip
+        status, res = post(
+            server,
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": 1234,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": "g",
+                "backend": "nccl",
+            },
+        )
         assert status == 501 and "nccl" in res["message"]
 
     port, name = find_free_port(), "test_weight_group"
-    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "group_name": name, "backend": "gloo"}  # fmt: skip
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": name,
+        "backend": "gloo",
+    }
     pool = concurrent.futures.ThreadPoolExecutor(2)
     joined = pool.submit(post, server, "/init_weights_update_group", init)
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, name)
@@ -468,8 +500,12 @@ def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_di
         names = sorted(state)
         buckets = [names[: len(names) // 2], names[len(names) // 2 :]]
         for i, bucket in enumerate(buckets):
-            body = {"names": bucket, "dtypes": [str(state[n].dtype) for n in bucket],
-                    "shapes": [list(state[n].shape) for n in bucket], "group_name": name}  # fmt: skip
+            body = {
+                "names": bucket,
+                "dtypes": [str(state[n].dtype) for n in bucket],
+                "shapes": [list(state[n].shape) for n in bucket],
+                "group_name": name,
+            }
             if i == len(buckets) - 1:
                 body["weight_version"] = "42"
             fut = pool.submit(post, server, "/update_weights_from_distributed", body)
@@ -509,15 +545,22 @@ def test_tensor_weight_push_and_its_refusals(server, tiny_model_dir, tiny_model_
     evil = base64.b64encode(pickle.dumps(os.system)).decode()
     pairs = base64.b64encode(pickle.dumps([1, 2])).decode()
     wrong = serialize_named_tensors([("no.such.weight", torch.zeros(2))])
-    for payloads, needle in (([evil], "refused global"), (["%%"], "not base64"),
-                             ([pairs], "(name, tensor) pairs"), ([wrong, wrong], "got 2"),
-                             ([wrong], "no.such.weight")):  # fmt: skip
-        status, res = post(server, "/update_weights_from_tensor",
-                           {"serialized_named_tensors": payloads})  # fmt: skip
+    for payloads, needle in (
+        ([evil], "refused global"),
+        (["%%"], "not base64"),
+        ([pairs], "(name, tensor) pairs"),
+        ([wrong, wrong], "got 2"),
+        ([wrong], "no.such.weight"),
+    ):
+        status, res = post(
+            server, "/update_weights_from_tensor", {"serialized_named_tensors": payloads}
+        )
         assert status == 400 and needle in str(res), (needle, res)
     assert generate(server, p, **sp)["output_ids"] == before  # nothing was loaded
-    body = {"serialized_named_tensors": [serialize_named_tensors(sorted(state.items()))],
-            "weight_version": "43"}  # fmt: skip
+    body = {
+        "serialized_named_tensors": [serialize_named_tensors(sorted(state.items()))],
+        "weight_version": "43",
+    }
     status, res = post(server, "/update_weights_from_tensor", body)
     assert status == 200 and res["success"], res
     out = generate(server, p, **sp)

@@ -99,10 +99,25 @@ def bad_generate(rng: random.Random) -> bytes | str | dict | list:
         body["text"] = "hello"
         return body
     if kind == 4:  # input_ids of the wrong kind
-        ids = rng.choice([
-            "5 6 7", {"a": 1}, 5, [], [5, "6"], [5.5], [-1], [10**9], [2**70],
-            [True, False], [None], [[5, "6"]], [[5], []], [[5], 6], [5, [6]],  # bad batches
-        ])  # fmt: skip
+        ids = rng.choice(
+            [
+                "5 6 7",
+                {"a": 1},
+                5,
+                [],
+                [5, "6"],
+                [5.5],
+                [-1],
+                [10**9],
+                [2**70],
+                [True, False],
+                [None],
+                [[5, "6"]],
+                [[5], []],
+                [[5], 6],
+                [5, [6]],  # bad batches
+            ]
+        )
         return {**valid, "input_ids": ids}
     if kind == 5:  # one sampling parameter wrong
         key, values = rng.choice(BAD_SAMPLING)
@@ -111,11 +126,13 @@ def bad_generate(rng: random.Random) -> bytes | str | dict | list:
         key, values = rng.choice(BAD_TOP)
         return {**valid, key: rng.choice(values)}
     if kind == 7:  # prompt + budget beyond the context, min above max
-        return rng.choice([
-            {"input_ids": [5] * 10**5},
-            {**valid, "sampling_params": {"max_new_tokens": 10**7}},
-            {**valid, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
-        ])  # fmt: skip
+        return rng.choice(
+            [
+                {"input_ids": [5] * 10**5},
+                {**valid, "sampling_params": {"max_new_tokens": 10**7}},
+                {**valid, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+            ]
+        )
     depth = rng.choice([10**3, 10**5])  # nesting deeper than any parser's recursion limit
     return "[" * depth + "]" * depth
 
@@ -124,11 +141,15 @@ def bad_other(rng: random.Random) -> tuple[str, str, bytes | str | dict | list]:
     """(method, path, body) for the other endpoints, always malformed."""
     kind = rng.randrange(7)
     if kind == 0:
-        body = rng.choice([
-            {}, {"model_path": wrong(rng, str)}, {"model_path": "/etc"},
-            {"model_path": "/no/such/dir", "weight_version": 1},
-            {"model_path": "/tmp", "weight_version": rng.choice(["abc", 1.5, [], {}])},
-        ])  # fmt: skip
+        body = rng.choice(
+            [
+                {},
+                {"model_path": wrong(rng, str)},
+                {"model_path": "/etc"},
+                {"model_path": "/no/such/dir", "weight_version": 1},
+                {"model_path": "/tmp", "weight_version": rng.choice(["abc", 1.5, [], {}])},
+            ]
+        )
         return "POST", "/update_weights_from_disk", body
     if kind == 1:
         return "POST", "/abort_request", {"rid": wrong(rng, str), "abort_all": False}
@@ -177,8 +198,11 @@ def test_a_thousand_malformed_requests_get_4xx_and_the_server_keeps_serving(serv
     assert statuses.get(400, 0) > N_REQUESTS // 2, statuses
 
     assert session.get(server.url + "/health", timeout=10).status_code == 200
-    good = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
-            "return_logprob": True}  # fmt: skip
+    good = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        "return_logprob": True,
+    }
     r = session.post(server.url + "/generate", json=good, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["output_ids"]) == 3
@@ -187,8 +211,17 @@ def test_a_thousand_malformed_requests_get_4xx_and_the_server_keeps_serving(serv
 
 
 def test_a_non_loopback_bind_needs_an_api_key(tiny_model_dir):
-    cmd = [sys.executable, "-m", "arealite.server", "--model-path", tiny_model_dir,
-           "--host", "0.0.0.0", "--port", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.server",
+        "--model-path",
+        tiny_model_dir,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "AREAL_SERVER_API_KEY"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0

@@ -116,14 +116,20 @@ def test_logprobs_equal_the_native_generate_endpoint(client, server, tool_model_
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
-    ids = tok(tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False)["input_ids"]  # fmt: skip
+    ids = tok(
+        tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
     native = requests.post(
         f"{server.url}/generate",
-        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-              "return_logprob": True},
-        headers=server.headers, timeout=120,
-    ).json()  # fmt: skip
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True,
+        },
+        headers=server.headers,
+        timeout=120,
+    ).json()
     r = client.chat.completions.create(
         model="m", messages=HELLO, max_tokens=6, temperature=0, logprobs=True
     )
@@ -141,18 +147,35 @@ def test_top_logprobs_are_the_models_log_softmax(client, server, tool_model_dir)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
-    ids = tok(tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True),
-              add_special_tokens=False)["input_ids"]  # fmt: skip
+    ids = tok(
+        tok.apply_chat_template(HELLO, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
     k, seed = 5, 11
-    r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=8, temperature=1.0,
-                                       seed=seed, logprobs=True, top_logprobs=k)  # fmt: skip
+    r = client.chat.completions.create(
+        model="m",
+        messages=HELLO,
+        max_tokens=8,
+        temperature=1.0,
+        seed=seed,
+        logprobs=True,
+        top_logprobs=k,
+    )
     choice_seed = parse_chat_request({"messages": HELLO, "seed": seed}).choice_seed(0)
     native = requests.post(
         f"{server.url}/generate",
-        json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 1.0,
-              "sampling_seed": choice_seed}, "return_logprob": True},
-        headers=server.headers, timeout=120,
-    ).json()  # fmt: skip
+        json={
+            "input_ids": ids,
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "temperature": 1.0,
+                "sampling_seed": choice_seed,
+            },
+            "return_logprob": True,
+        },
+        headers=server.headers,
+        timeout=120,
+    ).json()
     out = native["output_ids"]
     assert r.choices[0].message.content == native["text"]  # the same draw
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32).eval()

@@ -26,19 +26,31 @@ def test_no_body_is_refused_on_every_modelled_route(route):
     [
         ("update_weights_from_disk", b"{}", "model_path: required field is missing"),
         ("update_weights_from_disk", b'{"model_path": null}', "model_path: required"),
-        ("init_weights_update_group", b'{"master_address": "h", "master_port": 1, '
-         b'"rank_offset": 1}', "world_size: required"),
-        ("init_weights_update_group", b'{"master_address": "h", "master_port": "x", '
-         b'"rank_offset": 1, "world_size": 2}', "master_port: expected an integer"),
-        ("update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["float32"]}',
-         "shapes: required"),
-        ("update_weights_from_distributed", b'{"names": ["a"], "dtypes": ["f"], '
-         b'"shapes": [[1, "2"]]}', "shapes: expected a list of lists of integers"),
+        (
+            "init_weights_update_group",
+            b'{"master_address": "h", "master_port": 1, "rank_offset": 1}',
+            "world_size: required",
+        ),
+        (
+            "init_weights_update_group",
+            b'{"master_address": "h", "master_port": "x", "rank_offset": 1, "world_size": 2}',
+            "master_port: expected an integer",
+        ),
+        (
+            "update_weights_from_distributed",
+            b'{"names": ["a"], "dtypes": ["float32"]}',
+            "shapes: required",
+        ),
+        (
+            "update_weights_from_distributed",
+            b'{"names": ["a"], "dtypes": ["f"], "shapes": [[1, "2"]]}',
+            "shapes: expected a list of lists of integers",
+        ),
         ("continue_generation", b'{"torch_empty_cache": 1}', "torch_empty_cache: expected true"),
         ("abort_request", b'{"abort_all": "yes"}', "abort_all: expected true or false"),
         ("pause_generation", b'{"mode": 3}', "mode: expected a string"),
     ],
-)  # fmt: skip
+)
 def test_required_fields_and_types_follow_sglang(route, body, needle):
     with pytest.raises(BadRequest, match=needle):
         parse_body(route, body)

@@ -121,10 +121,13 @@ def test_bad_image_request_is_a_400_naming_the_image(server, processor, rows):
         assert r.status_code == 400 and needle in r.json()["error"], r.text
     ok = requests.post(
         url,
-        json={"input_ids": ids, "image_data": [image_to_base64(images[0])],
-              "sampling_params": {"max_new_tokens": 2}},
+        json={
+            "input_ids": ids,
+            "image_data": [image_to_base64(images[0])],
+            "sampling_params": {"max_new_tokens": 2},
+        },
         timeout=60,
-    )  # fmt: skip
+    )
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
     assert ok.json()["meta_info"]["prompt_tokens"] == len(ids)
 
@@ -157,9 +160,14 @@ def test_disk_weight_update_reaches_the_server(rollout, workflow, rows, actor, t
 
 def launch(script: str, config: str, overrides: list[str], timeout: float = 300) -> None:
     cmd = [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, script),
-        "--config", os.path.join(EXAMPLES, "configs", config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(EXAMPLES, script),
+        "--config",
+        os.path.join(EXAMPLES, "configs", config),
+        *overrides,
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, (
         f"launcher exited with {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}"
@@ -174,12 +182,22 @@ def read_metrics(run_dir: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_vlm_dir):
     root = str(tmp_path_factory.mktemp("vision_sft"))
-    launch("sft.py", "clevr_count_70k_sft.yaml", [
-        f"cluster.fileroot={root}", "experiment_name=vsft", "trial_name=t",
-        f"model.path={tiny_vlm_dir}", "total_train_steps=2", "train_dataset.options.size=16",
-        "train_dataset.batch_size=4", "valid_dataset.options.size=4", "valid_dataset.batch_size=4",
-        "evaluator.freq_steps=2",
-    ])  # fmt: skip
+    launch(
+        "sft.py",
+        "clevr_count_70k_sft.yaml",
+        [
+            f"cluster.fileroot={root}",
+            "experiment_name=vsft",
+            "trial_name=t",
+            f"model.path={tiny_vlm_dir}",
+            "total_train_steps=2",
+            "train_dataset.options.size=16",
+            "train_dataset.batch_size=4",
+            "valid_dataset.options.size=4",
+            "valid_dataset.batch_size=4",
+            "evaluator.freq_steps=2",
+        ],
+    )
     return os.path.join(root, "vsft", "t")
 
 
@@ -200,13 +218,24 @@ def test_sft_through_the_launcher_trains_and_exports_a_vlm(sft_run, tiny_vlm_dir
 
 def test_grpo_through_the_launcher_from_the_sft_export(sft_run, tmp_path):
     export = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep2")
-    launch("grpo.py", "clevr_count_70k_grpo.yaml", [
-        f"cluster.fileroot={tmp_path}", "experiment_name=vgrpo", "trial_name=t",
-        f"actor.path={export}", "total_train_steps=2", "train_dataset.options.size=16",
-        "train_dataset.batch_size=2", "gconfig.n_samples=2",
-        "gconfig.max_new_tokens=4", "valid_dataset.options.size=4",
-        "valid_dataset.batch_size=4", "evaluator.freq_steps=2",
-    ])  # fmt: skip
+    launch(
+        "grpo.py",
+        "clevr_count_70k_grpo.yaml",
+        [
+            f"cluster.fileroot={tmp_path}",
+            "experiment_name=vgrpo",
+            "trial_name=t",
+            f"actor.path={export}",
+            "total_train_steps=2",
+            "train_dataset.options.size=16",
+            "train_dataset.batch_size=2",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=4",
+            "valid_dataset.options.size=4",
+            "valid_dataset.batch_size=4",
+            "evaluator.freq_steps=2",
+        ],
+    )
     run_dir = os.path.join(tmp_path, "vgrpo", "t")
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1]

@@ -350,9 +350,19 @@ def test_two_gloo_ranks_with_images_on_one_rank_match_one_rank(tiny_vlm_dir, tmp
     out = tmp_path / "r.pt"
     script = os.path.join(os.path.dirname(__file__), "_torchrun_vlm.py")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(find_free_port()), script, "--model", tiny_vlm_dir, "--out", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(find_free_port()),
+        script,
+        "--model",
+        tiny_vlm_dir,
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -28,8 +28,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def greedy(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
     out = requests.post(url + "/generate", json=body, timeout=120).json()
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
@@ -60,8 +63,10 @@ def test_push_equals_disk_push(mode, tiny_model_dir, build_engine, tmp_path, mon
     ):
         executors = [client(a.url), client(b.url)]
         try:
-            syncs = [WeightSync(mode, actor, executors[0], str(tmp_path / "unused")),
-                     WeightSync("disk", actor, executors[1], str(tmp_path / "w"))]  # fmt: skip
+            syncs = [
+                WeightSync(mode, actor, executors[0], str(tmp_path / "unused")),
+                WeightSync("disk", actor, executors[1], str(tmp_path / "w")),
+            ]
             before = greedy(a.url, prompt)
             for version, seed in ((1, 1), (2, 2)):
                 batch = make_batch(n=4, seed=seed)
@@ -85,8 +90,15 @@ def test_push_equals_disk_push(mode, tiny_model_dir, build_engine, tmp_path, mon
 
 def run_arith_grpo(args: list[str]) -> None:
     """examples/grpo.py on the arith YAML through the local launcher; fails with its log tail."""
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/grpo.py",
-           "--config", "examples/configs/arith_grpo.yaml", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        "examples/grpo.py",
+        "--config",
+        "examples/configs/arith_grpo.yaml",
+        *args,
+    ]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
 
@@ -108,14 +120,22 @@ def test_grpo_through_the_launcher_with_the_distributed_update(tmp_path, tiny_mo
     and every token is tagged with the version it was pushed as."""
     run = tmp_path / "e2e-grpo" / "dist"
     args = [
-        "cluster.fileroot=" + str(tmp_path), "experiment_name=e2e-grpo", "trial_name=dist",
-        f"actor.path={tiny_model_dir}", "total_train_steps=2", "weight_update=distributed",
+        "cluster.fileroot=" + str(tmp_path),
+        "experiment_name=e2e-grpo",
+        "trial_name=dist",
+        f"actor.path={tiny_model_dir}",
+        "total_train_steps=2",
+        "weight_update=distributed",
         "allocation_mode=local.d1p1t1+d2p1t1",
-        "rollout.max_head_offpolicyness=0", "train_dataset.batch_size=4",
+        "rollout.max_head_offpolicyness=0",
+        "train_dataset.batch_size=4",
         "gconfig.n_samples=2",
-        "gconfig.max_new_tokens=4", "valid_dataset=null", "actor.fsdp.param_dtype=float32",
-        "server.dtype=float32", "actor.weight_update_bucket_mb=1",
-    ]  # fmt: skip
+        "gconfig.max_new_tokens=4",
+        "valid_dataset=null",
+        "actor.fsdp.param_dtype=float32",
+        "server.dtype=float32",
+        "actor.weight_update_bucket_mb=1",
+    ]
     run_arith_grpo(args)
     records, versions = metrics_and_versions(run)
     assert [r["step"] for r in records] == [0, 1]

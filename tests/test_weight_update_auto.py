@@ -21,22 +21,44 @@ def grpo(tmp_path, *overrides) -> GRPOConfig:
 
 
 CASES = [  # (overrides, expected mode, a word of the reason)
-    (["allocation_mode=sglang.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=1",
-      "cluster.share_gpus=true"], "tensor", "share the trainer's GPU"),
-    (["allocation_mode=local.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=2"], "distributed",
-     "other GPUs"),
-    (["allocation_mode=sglang.d2p1t1+d2p1t1", "cluster.n_gpus_per_node=4"], "distributed",
-     "NCCL"),
+    (
+        [
+            "allocation_mode=sglang.d1p1t1+d1p1t1",
+            "cluster.n_gpus_per_node=1",
+            "cluster.share_gpus=true",
+        ],
+        "tensor",
+        "share the trainer's GPU",
+    ),
+    (
+        ["allocation_mode=local.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=2"],
+        "distributed",
+        "other GPUs",
+    ),
+    (["allocation_mode=sglang.d2p1t1+d2p1t1", "cluster.n_gpus_per_node=4"], "distributed", "NCCL"),
     (["allocation_mode=local.d1p1t1+d1p1t1"], "disk", "CPU run"),
-    (["allocation_mode=sglang.d1p1t2+d2p1t1", "cluster.n_gpus_per_node=2",
-      "cluster.share_gpus=true"], "disk", "TP 2"),
-    (["allocation_mode=sglang.d8p1t1+d8p1t1", "cluster.n_gpus_per_node=8",
-      "cluster.n_nodes=2"], "disk", "other nodes"),
+    (
+        [
+            "allocation_mode=sglang.d1p1t2+d2p1t1",
+            "cluster.n_gpus_per_node=2",
+            "cluster.share_gpus=true",
+        ],
+        "disk",
+        "TP 2",
+    ),
+    (
+        ["allocation_mode=sglang.d8p1t1+d8p1t1", "cluster.n_gpus_per_node=8", "cluster.n_nodes=2"],
+        "disk",
+        "other nodes",
+    ),
     (["allocation_mode=vllm.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=2"], "disk", "vLLM"),
-    (["allocation_mode=sglang.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=2", "actor.lora.rank=8"],
-     "disk", "LoRA"),
+    (
+        ["allocation_mode=sglang.d1p1t1+d1p1t1", "cluster.n_gpus_per_node=2", "actor.lora.rank=8"],
+        "disk",
+        "LoRA",
+    ),
     (["allocation_mode=colocated+d1p1t1", "cluster.n_gpus_per_node=1"], "disk", "colocated"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("overrides,mode,why", CASES)
@@ -61,9 +83,13 @@ def test_an_explicit_mode_is_kept_and_resolution_is_logged_once(tmp_path, caplog
 
 
 def test_the_launcher_resolves_once_and_passes_the_choice_to_the_trainer(tmp_path, tiny_model_dir):
-    argv = [os.path.join(ROOT, "examples", "grpo.py"), "--config",
-            os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-            f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}"]  # fmt: skip
+    argv = [
+        os.path.join(ROOT, "examples", "grpo.py"),
+        "--config",
+        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
+        f"cluster.fileroot={tmp_path}",
+        f"actor.path={tiny_model_dir}",
+    ]
     _, script_args, config = load_and_check(argv)
     assert config.weight_update == "disk"  # a CPU run
     assert script_args[-1] == "weight_update=disk"

@@ -17,8 +17,9 @@ from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
 @pytest.mark.parametrize("offload", [False, True], ids=["on_gpu", "offload"])
 def test_bf16_compute_step_moves_fp32_master_weights(tiny_model_dir, build_engine, offload):
     fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32", offload_params=offload)
-    engine = build_engine(FSDPEngine, engine_config(tiny_model_dir, fsdp=fsdp,
-                                                    attn_impl="sdpa_varlen"))  # fmt: skip
+    engine = build_engine(
+        FSDPEngine, engine_config(tiny_model_dir, fsdp=fsdp, attn_impl="sdpa_varlen")
+    )
     assert engine.device.type == "cuda"
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # masters
     before = full_weights(engine)

@@ -15,8 +15,16 @@ SCRIPT = "from arealite.utils.distributed import init_distributed\ninit_distribu
 def test_two_ranks_on_one_gpu_fail_clearly(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(find_free_port()), str(script)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(find_free_port()),
+        str(script),
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0

@@ -21,8 +21,11 @@ from arealite.trainer.weight_sync import WeightSync
 
 
 def greedy(url: str, prompt: list[int]) -> list[float]:
-    body = {"input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
     out = requests.post(url + "/generate", json=body, timeout=120).json()
     return [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
@@ -33,14 +36,16 @@ def push_and_compare(mode: str, gpu_env: dict, build_engine, tiny_model_dir, tmp
     from arealite.server.process import launch_server
 
     fsdp = FSDPConfig(param_dtype="float32", reduce_dtype="float32")
-    actor = build_engine(FSDPEngine, engine_config(tiny_model_dir, fsdp=fsdp,
-                                                   weight_update_bucket_mb=1))  # fmt: skip
+    actor = build_engine(
+        FSDPEngine, engine_config(tiny_model_dir, fsdp=fsdp, weight_update_bucket_mb=1)
+    )
     extra = ["--allowed-weight-roots", str(tmp_path)]
     with (
         launch_server(tiny_model_dir, dtype="float32", env=gpu_env) as a,
-        launch_server(tiny_model_dir, dtype="float32", extra_args=extra,
-                      env={"CUDA_VISIBLE_DEVICES": ""}) as b,
-    ):  # fmt: skip
+        launch_server(
+            tiny_model_dir, dtype="float32", extra_args=extra, env={"CUDA_VISIBLE_DEVICES": ""}
+        ) as b,
+    ):
         executors = []
         for server in (a, b):
             engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=1))
@@ -48,8 +53,10 @@ def push_and_compare(mode: str, gpu_env: dict, build_engine, tiny_model_dir, tmp
             executors.append(WorkflowExecutor(engine.config, engine))
             executors[-1].initialize()
         try:
-            syncs = [WeightSync(mode, actor, executors[0], str(tmp_path / "x")),
-                     WeightSync("disk", actor, executors[1], str(tmp_path / "w"))]  # fmt: skip
+            syncs = [
+                WeightSync(mode, actor, executors[0], str(tmp_path / "x")),
+                WeightSync("disk", actor, executors[1], str(tmp_path / "w")),
+            ]
             prompt = make_batch(n=1, seed=3)["input_ids"][0, :6].tolist()
             for version in (1, 2):
                 actor.train_batch(make_batch(n=4, seed=version), sft_loss_fn, sft_loss_weight)
@@ -68,8 +75,9 @@ def push_and_compare(mode: str, gpu_env: dict, build_engine, tiny_model_dir, tmp
 def test_nccl_push_equals_disk_push(tiny_model_dir, build_engine, tmp_path):
     need_gpus(2)  # trainer, server pushed over NCCL
     nccl = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
-    push_and_compare("distributed", {"CUDA_VISIBLE_DEVICES": "1", **nccl}, build_engine,
-                     tiny_model_dir, tmp_path)  # fmt: skip
+    push_and_compare(
+        "distributed", {"CUDA_VISIBLE_DEVICES": "1", **nccl}, build_engine, tiny_model_dir, tmp_path
+    )
 
 
 @pytest.mark.integration
@@ -77,5 +85,6 @@ def test_tensor_push_on_a_shared_gpu_equals_disk_push(tiny_model_dir, build_engi
     """cluster.share_gpus: trainer and server on GPU 0; the server opens CUDA IPC handles of
     the trainer's weights (weight_update=tensor)."""
     need_gpus(1)
-    push_and_compare("tensor", {"CUDA_VISIBLE_DEVICES": "0"}, build_engine, tiny_model_dir,
-                     tmp_path)  # fmt: skip
+    push_and_compare(
+        "tensor", {"CUDA_VISIBLE_DEVICES": "0"}, build_engine, tiny_model_dir, tmp_path
+    )
