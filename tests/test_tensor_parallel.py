@@ -7,6 +7,7 @@ DCP checkpoint written at d2t2 resumed at d1t2.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -169,3 +170,33 @@ def test_vocab_parallel_logprobs_equal_the_chunked_reference(build_engine, tiny_
         torch.testing.assert_close(got_x.grad, want_x.grad, atol=1e-12, rtol=0)
     finally:
         du.release_distributed()
+
+
+@pytest.mark.integration
+def test_grpo_through_the_launcher_at_t2(tmp_path, tiny_model_dir):
+    """examples/grpo.py via the local launcher: one embedded server + a d1t2 trainer (2 gloo
+    ranks, one tensor group), synchronous (eta 0) so step 1 trains on tokens the pushed
+    weights generated: the server's logprobs then equal the trainer's (fp32 both sides), which
+    only holds if the disk update carried the t2 trainer's full, gathered weights."""
+    from test_e2e import launch as launch_run
+    from test_e2e import read_metrics, server_versions
+
+    args = [
+        f"cluster.fileroot={tmp_path}", "experiment_name=tp", "trial_name=t2",
+        f"actor.path={tiny_model_dir}", "allocation_mode=local.d1p1t1+d1p1t2",
+        "total_train_steps=2", "rollout.max_head_offpolicyness=0",
+        "train_dataset.batch_size=4", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
+        "valid_dataset=null", "actor.dynamic_sampling=false",
+        "actor.fsdp.param_dtype=float32", "server.dtype=float32", "weight_update=disk",
+        "reward=tests/workflow_rewards.py:token_id_spread",  # varied: non-zero advantages
+    ]  # fmt: skip
+    out = launch_run("grpo.py", "arith_grpo.yaml", args)
+    run_dir = str(tmp_path / "tp" / "t2")
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["n_seqs"] == 8 and math.isfinite(r["loss"]), r
+        assert r["grad_norm"] > 0, r  # the weights moved: the push at step 1 carries news
+        assert r["staleness_max"] == 0 and r["behave_logp_absdiff_max"] < 1e-3, r
+    assert server_versions(run_dir) == [1, 2]  # the server loaded both pushed versions
+    assert "Saved HF checkpoint" in out or os.path.isdir(os.path.join(run_dir, "checkpoints"))

@@ -53,3 +53,9 @@ def by_row(prompt, completions, prompt_ids, completion_ids, **row):
     if row["do"] == "hang":
         time.sleep(3600)
     return float(row["i"])
+
+
+def token_id_spread(prompt, completions, prompt_ids, completion_ids, **row):
+    """A reward in [0, 1) that differs between almost any two completions (their token ids),
+    so GRPO groups of an untrained model still have non-zero advantages and gradients."""
+    return (sum((i + 1) * t for i, t in enumerate(completion_ids)) % 101) / 101
