@@ -23,9 +23,14 @@ def emit(figure: str, **values) -> None:
 def launch(script: str, config: str, overrides: list[str], log_path: str) -> float:
     """Run the local launcher (output to `log_path`); returns its wall seconds."""
     cmd = [
-        sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, script),
-        "--config", os.path.join(EXAMPLES, "configs", config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(EXAMPLES, script),
+        "--config",
+        os.path.join(EXAMPLES, "configs", config),
+        *overrides,
+    ]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -43,8 +48,14 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip().endswith("}")]
 
 
-def launch_for(config: str, overrides: list[str], metrics: str, log_path: str,
-               budget_s: float, grace_s: float = 300.0) -> list[dict]:  # fmt: skip
+def launch_for(
+    config: str,
+    overrides: list[str],
+    metrics: str,
+    log_path: str,
+    budget_s: float,
+    grace_s: float = 300.0,
+) -> list[dict]:
     """examples/grpo.py through the local launcher, stopped by SIGTERM once an evaluation past
     `budget_s` of its wall time is logged in `metrics` (its metrics.jsonl) or the run ends;
     returns the run's records. An earlier attempt's metrics are removed: runs start afresh."""
@@ -52,8 +63,15 @@ def launch_for(config: str, overrides: list[str], metrics: str, log_path: str,
 
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
-           "--config", os.path.join(EXAMPLES, "configs", config), *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(EXAMPLES, "grpo.py"),
+        "--config",
+        os.path.join(EXAMPLES, "configs", config),
+        *overrides,
+    ]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

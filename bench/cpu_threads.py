@@ -35,11 +35,16 @@ LOOP_BATCH = dict(n=128, lo=10, hi=17, prompt=9)  # 16 prompts x 8 samples, <= 8
 
 def run_loop(policy: str, model: str, steps: int, workdir: str) -> dict:
     args = [
-        f"cluster.fileroot={workdir}", "experiment_name=threads", f"trial_name={policy}",
-        f"actor.path={model}", f"launcher.cpu_threads={policy}", f"total_train_steps={steps}",
-        "valid_dataset=null", "saver.freq_steps=null",
+        f"cluster.fileroot={workdir}",
+        "experiment_name=threads",
+        f"trial_name={policy}",
+        f"actor.path={model}",
+        f"launcher.cpu_threads={policy}",
+        f"total_train_steps={steps}",
+        "valid_dataset=null",
+        "saver.freq_steps=null",
         "actor.dynamic_sampling=false",  # the random model scores 0: every batch the same size
-    ]  # fmt: skip
+    ]
     secs = launch("grpo.py", "arith_grpo.yaml", args, os.path.join(workdir, f"{policy}.log"))
     with open(os.path.join(workdir, "threads", policy, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()][2:]  # warm-up steps out

@@ -41,9 +41,13 @@ def rollouts(model, tok, n_prompts: int, seed: int):
         p = prompt_ids(tok, {"prompt": f"{e}="})
         for text in texts:
             c = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append({"input_ids": torch.tensor(p + c),
-                         "loss_mask": torch.tensor([0] * len(p) + [1] * len(c)),
-                         "rewards": torch.tensor(float(text.strip() == str(v)))})  # fmt: skip
+            rows.append(
+                {
+                    "input_ids": torch.tensor(p + c),
+                    "loss_mask": torch.tensor([0] * len(p) + [1] * len(c)),
+                    "rewards": torch.tensor(float(text.strip() == str(v))),
+                }
+            )
     batch = pad_sequences_to_tensors(rows)
     batch["logprobs"] = torch.zeros(batch["input_ids"].shape)
     return batch
@@ -63,11 +67,14 @@ def main() -> None:
     train, test = rollouts(model, tok, args.prompts, 1), rollouts(model, tok, 64, 2)
     ppo = ACTOR_PRESETS["ppo"]  # the loader applies presets; a bare dataclass needs them here
     gae = PPOActor(PPOActorConfig(path=args.policy, group_size=4, **ppo), engine=None)
-    critic = FSDPPPOCritic(PPOCriticConfig(
-        path=args.critic_init or args.policy, fsdp=FSDPConfig(param_dtype="float32"),
-        mb_spec=MicroBatchSpec(max_tokens_per_mb=8192),
-        optimizer=OptimizerConfig(lr=args.lr, weight_decay=0.0),
-    ))  # fmt: skip
+    critic = FSDPPPOCritic(
+        PPOCriticConfig(
+            path=args.critic_init or args.policy,
+            fsdp=FSDPConfig(param_dtype="float32"),
+            mb_spec=MicroBatchSpec(max_tokens_per_mb=8192),
+            optimizer=OptimizerConfig(lr=args.lr, weight_decay=0.0),
+        )
+    )
     critic.initialize(None, None)
     for epoch in range(args.epochs):
         evs = []
@@ -79,10 +86,17 @@ def main() -> None:
         t = test.clone()
         t["values"] = critic.compute_values(t)
         gae.compute_advantages(t)
-        print(json.dumps({"epoch": epoch, "train_ev_mean": round(sum(evs) / len(evs), 3),
-                          "train_ev_max": round(max(evs), 3),
-                          "held_out_ev": round(explained_variance(t["values"], t["returns"], t), 3)}),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "train_ev_mean": round(sum(evs) / len(evs), 3),
+                    "train_ev_max": round(max(evs), 3),
+                    "held_out_ev": round(explained_variance(t["values"], t["returns"], t), 3),
+                }
+            ),
+            flush=True,
+        )
     critic.destroy()
 
 

@@ -28,21 +28,30 @@ from arealite.utils.hardware import cpu_summary
 def run(model: str, dynamic: bool, steps: int, seed: int, workdir: str) -> dict:
     name = "filter_on" if dynamic else "filter_off"  # not on/off: YAML reads those as booleans
     overrides = [
-        f"cluster.fileroot={workdir}", "experiment_name=dynamic-sampling", f"trial_name={name}",
-        f"actor.path={model}", f"seed={seed}", f"total_train_steps={steps}",
-        f"actor.dynamic_sampling={str(dynamic).lower()}", f"evaluator.freq_steps={steps}",
-    ]  # fmt: skip
+        f"cluster.fileroot={workdir}",
+        "experiment_name=dynamic-sampling",
+        f"trial_name={name}",
+        f"actor.path={model}",
+        f"seed={seed}",
+        f"total_train_steps={steps}",
+        f"actor.dynamic_sampling={str(dynamic).lower()}",
+        f"evaluator.freq_steps={steps}",
+    ]
     secs = launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))
     recs = read_metrics(os.path.join(workdir, "dynamic-sampling", name))
     evals = [r["eval/accuracy"] for r in recs if r.get("eval/accuracy") is not None]
     rec = {
-        "dynamic_sampling": dynamic, "wall_s": round(secs, 1), "steps": len(recs),
-        "sec_per_step": round((recs[-1]["wall_time"] - recs[0]["wall_time"]) / max(1, len(recs) - 1), 3),
+        "dynamic_sampling": dynamic,
+        "wall_s": round(secs, 1),
+        "steps": len(recs),
+        "sec_per_step": round(
+            (recs[-1]["wall_time"] - recs[0]["wall_time"]) / max(1, len(recs) - 1), 3
+        ),
         "accuracy_before": recs[0].get("eval/accuracy_before_training"),
         "accuracy_after": evals[-1] if evals else None,
         "groups_generated": sum(r.get("rollout/groups_generated", 0) for r in recs),
         "groups_dropped": sum(r.get("rollout/groups_dropped", 0) for r in recs),
-    }  # fmt: skip
+    }
     emit("run", **rec)
     return rec
 
@@ -59,10 +68,13 @@ def main() -> None:
     emit("machine", cores=os.cpu_count(), **cpu_summary())
     model = args.model_path or build_warm_start(workdir, [])
     off, on = (run(model, d, args.steps, args.seed, workdir) for d in (False, True))
-    emit("ratio", wall_off_over_on=round(off["wall_s"] / on["wall_s"], 2),
-         sec_per_step_off_over_on=round(off["sec_per_step"] / on["sec_per_step"], 2),
-         accuracy_gain_off=round(off["accuracy_after"] - off["accuracy_before"], 3),
-         accuracy_gain_on=round(on["accuracy_after"] - on["accuracy_before"], 3))  # fmt: skip
+    emit(
+        "ratio",
+        wall_off_over_on=round(off["wall_s"] / on["wall_s"], 2),
+        sec_per_step_off_over_on=round(off["sec_per_step"] / on["sec_per_step"], 2),
+        accuracy_gain_off=round(off["accuracy_after"] - off["accuracy_before"], 3),
+        accuracy_gain_on=round(on["accuracy_after"] - on["accuracy_before"], 3),
+    )
 
 
 if __name__ == "__main__":

@@ -48,14 +48,24 @@ def build_warm_start(workdir: str, extra: list[str], sft_config: str = "arith_sf
     from arealite.testing.tiny_model import build_tiny_model
 
     tiny = build_tiny_model(os.path.join(workdir, "tiny_model"))
-    args = [f"cluster.fileroot={workdir}", "experiment_name=bench-sft", "trial_name=warm",
-            f"model.path={tiny}", *extra]  # fmt: skip
+    args = [
+        f"cluster.fileroot={workdir}",
+        "experiment_name=bench-sft",
+        "trial_name=warm",
+        f"model.path={tiny}",
+        *extra,
+    ]
     secs = launch("sft.py", sft_config, args, os.path.join(workdir, "sft.log"))
     run_dir = os.path.join(workdir, "bench-sft", "warm")
     (path,) = glob.glob(os.path.join(run_dir, "checkpoints", "final", "*"))
     records = read_metrics(run_dir)
-    emit("sft_warm_start", seconds=round(secs, 1), steps=len(records),
-         final_loss=records[-1].get("loss"), model_path=path)  # fmt: skip
+    emit(
+        "sft_warm_start",
+        seconds=round(secs, 1),
+        steps=len(records),
+        final_loss=records[-1].get("loss"),
+        model_path=path,
+    )
     return path
 
 
@@ -63,8 +73,11 @@ def summarize(name: str, records: list[dict], target: float, launcher_s: float) 
     """The figures of one run from its per-step records."""
     wall = [r["wall_time"] for r in records]
     gaps = [b - a for a, b in zip(wall, wall[1:])]
-    evals = [(r["step"], r["wall_time"], r["eval/accuracy"])
-             for r in records if r.get("eval/accuracy") is not None]  # fmt: skip
+    evals = [
+        (r["step"], r["wall_time"], r["eval/accuracy"])
+        for r in records
+        if r.get("eval/accuracy") is not None
+    ]
     hit = next(((s, t) for s, t, acc in evals if acc >= target), None)
     later = records[1:] or records
     phases = ("rollout", "compute_logp", "train_step", "update_weights")
@@ -95,14 +108,17 @@ def summarize(name: str, records: list[dict], target: float, launcher_s: float) 
 
 def run_grpo(args, workdir: str, model: str, name: str, eta: int) -> dict:
     overrides = [
-        f"cluster.fileroot={workdir}", "experiment_name=bench-grpo", f"trial_name={name}",
-        f"actor.path={model}", f"total_train_steps={args.steps}",
-        f"evaluator.freq_steps={args.eval_every}", "saver.freq_steps=null",
+        f"cluster.fileroot={workdir}",
+        "experiment_name=bench-grpo",
+        f"trial_name={name}",
+        f"actor.path={model}",
+        f"total_train_steps={args.steps}",
+        f"evaluator.freq_steps={args.eval_every}",
+        "saver.freq_steps=null",
         f"rollout.max_head_offpolicyness={eta}",
         *args.set,
-    ]  # fmt: skip
-    secs = launch("grpo.py", "arith_grpo.yaml", overrides,
-                  os.path.join(workdir, f"{name}.log"))  # fmt: skip
+    ]
+    secs = launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))
     records = read_metrics(os.path.join(workdir, "bench-grpo", name))
     return summarize(name, records, args.target_accuracy, secs)
 
@@ -117,16 +133,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation period")
     p.add_argument(
-        "--target-accuracy", type=float, default=0.15,
+        "--target-accuracy",
+        type=float,
+        default=0.15,
         help="held-out accuracy to reach (the YAML-default warm start begins near 0.1)",
-    )  # fmt: skip
+    )
     p.add_argument("--eta", type=int, default=4, help="max_head_offpolicyness of the async run")
     p.add_argument("--rounds", type=int, default=1, help="async/sync pairs, order alternating")
     p.add_argument("--workdir", help="keep runs here (default: a fresh temp dir)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="extra GRPO overrides for both runs")  # fmt: skip
-    p.add_argument("--sft-set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="overrides for the warm-start SFT")  # fmt: skip
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra GRPO overrides for both runs",
+    )
+    p.add_argument(
+        "--sft-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for the warm-start SFT",
+    )
     args = p.parse_args()
     if args.eta < 1:
         p.error("--eta must be >= 1 (the sync run is eta = 0)")
@@ -157,7 +185,7 @@ def main() -> None:
                 "time_to_target_s",
                 "steps_to_target",
             )
-        },  # fmt: skip
+        },
         workdir=workdir,
     )
 

@@ -33,9 +33,13 @@ def build_model(workdir: str) -> str:
     from arealite.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(
-        os.path.join(workdir, "model"), hidden_size=256, num_layers=6, intermediate_size=768,
-        num_heads=8, num_kv_heads=4,
-    )  # fmt: skip
+        os.path.join(workdir, "model"),
+        hidden_size=256,
+        num_layers=6,
+        intermediate_size=768,
+        num_heads=8,
+        num_kv_heads=4,
+    )
 
 
 def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:
@@ -49,25 +53,44 @@ def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = get_custom_dataset("arith", 0, 1, type="rl", split="train", tokenizer=tok, size=4096,
-                              max_digits=1, n_operands=3)  # fmt: skip
+    data = get_custom_dataset(
+        "arith",
+        0,
+        1,
+        type="rl",
+        split="train",
+        tokenizer=tok,
+        size=4096,
+        max_digits=1,
+        n_operands=3,
+    )
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
         rows = [data[(step * N_PROMPTS + i) % len(data)] for i in range(N_PROMPTS)]
-        prompts = [tok.apply_chat_template(r["messages"], tokenize=False,
-                                           add_generation_prompt=True) for r in rows]  # fmt: skip
+        prompts = [
+            tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+            for r in rows
+        ]
         enc = tok(prompts, return_tensors="pt", padding=True)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            seqs = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0,
-                                  max_new_tokens=NEW_TOKENS, num_return_sequences=N_SAMPLES,
-                                  pad_token_id=tok.pad_token_id)  # fmt: skip
+            seqs = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=NEW_TOKENS,
+                num_return_sequences=N_SAMPLES,
+                pad_token_id=tok.pad_token_id,
+            )
         P = enc["input_ids"].shape[1]
         texts = tok.batch_decode(seqs[:, P:], skip_special_tokens=True)
-        rewards = torch.tensor([
-            float(arith_reward_fn(None, t, None, None, **rows[i // N_SAMPLES]))
-            for i, t in enumerate(texts)
-        ])  # fmt: skip
+        rewards = torch.tensor(
+            [
+                float(arith_reward_fn(None, t, None, None, **rows[i // N_SAMPLES]))
+                for i, t in enumerate(texts)
+            ]
+        )
         groups = rewards.view(N_PROMPTS, N_SAMPLES)
         adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-5)
         attn = (seqs != tok.pad_token_id).long()
@@ -88,13 +111,19 @@ def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:
 def run_arealite(workdir: str, model: str, steps: int, eta: int) -> dict:
     name = f"eta{eta}"
     overrides = [
-        f"cluster.fileroot={workdir}", "experiment_name=bench", f"trial_name={name}",
-        f"actor.path={model}", f"total_train_steps={steps}", "valid_dataset=null",
+        f"cluster.fileroot={workdir}",
+        "experiment_name=bench",
+        f"trial_name={name}",
+        f"actor.path={model}",
+        f"total_train_steps={steps}",
+        "valid_dataset=null",
         "saver.freq_steps=null",
-        f"rollout.max_head_offpolicyness={eta}", f"train_dataset.batch_size={N_PROMPTS}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"train_dataset.batch_size={N_PROMPTS}",
         f"gconfig.n_samples={N_SAMPLES}",
-        f"gconfig.max_new_tokens={NEW_TOKENS}", "actor.optimizer.lr=1e-4",
-    ]  # fmt: skip
+        f"gconfig.max_new_tokens={NEW_TOKENS}",
+        "actor.optimizer.lr=1e-4",
+    ]
     launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))
     records = read_metrics(os.path.join(workdir, "bench", name))[1:]
     wall = [r["wall_time"] for r in records]
@@ -104,7 +133,7 @@ def run_arealite(workdir: str, model: str, steps: int, eta: int) -> dict:
         **{
             f"s_{p}": round(statistics.median(r.get(f"timeperf/{p}") or 0 for r in records), 4)
             for p in phases
-        },  # fmt: skip
+        },
         "staleness_mean": round(statistics.mean(r.get("staleness") or 0 for r in records), 3),
     }
 
@@ -121,8 +150,11 @@ def main() -> None:
     hf = {}  # the baseline at its best thread count (2 threads lose badly on a loaded machine)
     for threads in sorted({1, a.threads}):
         hf[threads] = statistics.median(sync_hf_loop(model, a.steps, threads)[3:])
-        emit(f"sync_hf_{threads}thread", steps_per_s=round(1 / hf[threads], 3),
-             s_step=round(hf[threads], 4))  # fmt: skip
+        emit(
+            f"sync_hf_{threads}thread",
+            steps_per_s=round(1 / hf[threads], 3),
+            s_step=round(hf[threads], 4),
+        )
     hf_best = min(hf.values())
     runs = {eta: run_arealite(workdir, model, a.steps, eta) for eta in (a.eta, 0)}
     for eta, r in runs.items():

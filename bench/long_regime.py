@@ -53,18 +53,33 @@ CONFIG = "long_sums_grpo.yaml"
 LOSSES = {
     "decoupled": ["actor.use_decoupled_loss=true", "actor.recompute_logprob=true"],
     "naive": ["actor.use_decoupled_loss=false", "actor.recompute_logprob=false"],
-    "unclipped": ["actor.use_decoupled_loss=false", "actor.recompute_logprob=false",
-                  "actor.eps_clip=1e6"],
-}  # fmt: skip
+    "unclipped": [
+        "actor.use_decoupled_loss=false",
+        "actor.recompute_logprob=false",
+        "actor.eps_clip=1e6",
+    ],
+}
 PART_A = [f"eta{e}_decoupled_mb1" for e in (0, 1, 2, 4, 8)]
-PART_C = [f"eta{e}_{loss}_mb{m}" for e in (0, 2, 4, 8, 16) for loss in ("decoupled", "naive")
-          for m in (1, 4)] + ["eta4_unclipped_mb1", "eta8_unclipped_mb1"]  # fmt: skip
+PART_C = [
+    f"eta{e}_{loss}_mb{m}"
+    for e in (0, 2, 4, 8, 16)
+    for loss in ("decoupled", "naive")
+    for m in (1, 4)
+] + ["eta4_unclipped_mb1", "eta8_unclipped_mb1"]
 QUICK_A = ["eta0_decoupled_mb1", "eta4_decoupled_mb1"]
 QUICK_C = [f"eta4_{loss}_mb{m}" for loss in ("decoupled", "naive") for m in (1, 4)]
 # Means over steps 1.. of these per-step metrics (step 0 is on-policy and cold).
-REGIME_KEYS = ("gen_len_p50", "gen_len_p90", "gen_len_max", "off_policy_token_frac",
-               "resumed_seq_frac", "rollout/server_busy_frac", "rollout/server_batch_rows",
-               "staleness", "clip_ratio")  # fmt: skip
+REGIME_KEYS = (
+    "gen_len_p50",
+    "gen_len_p90",
+    "gen_len_max",
+    "off_policy_token_frac",
+    "resumed_seq_frac",
+    "rollout/server_busy_frac",
+    "rollout/server_batch_rows",
+    "staleness",
+    "clip_ratio",
+)
 
 
 def parse_arm(arm: str) -> tuple[int, str, int]:
@@ -78,12 +93,20 @@ def parse_arm(arm: str) -> tuple[int, str, int]:
 def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
     eta, loss, mb = parse_arm(arm)
     return [
-        f"cluster.fileroot={args.workdir}", "experiment_name=long-regime",
-        f"trial_name={arm}_s{seed}", f"actor.path={model}", f"seed={seed}",
-        "total_train_steps=100000", "total_train_epochs=1000", "saver.freq_steps=null",
-        "evaluator.freq_steps=null", f"evaluator.freq_secs={args.eval_secs}",
-        f"rollout.max_head_offpolicyness={eta}", f"actor.ppo_n_minibatches={mb}", *LOSSES[loss],
-    ]  # fmt: skip
+        f"cluster.fileroot={args.workdir}",
+        "experiment_name=long-regime",
+        f"trial_name={arm}_s{seed}",
+        f"actor.path={model}",
+        f"seed={seed}",
+        "total_train_steps=100000",
+        "total_train_epochs=1000",
+        "saver.freq_steps=null",
+        "evaluator.freq_steps=null",
+        f"evaluator.freq_secs={args.eval_secs}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"actor.ppo_n_minibatches={mb}",
+        *LOSSES[loss],
+    ]
 
 
 def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
@@ -98,30 +121,45 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     eta, loss, mb = parse_arm(arm)
     decoupled = loss == "decoupled"
     evals = [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
-    evals += [(r["wall_time"], r["step"] + 1, r["eval/accuracy"])
-              for r in recs if r.get("eval/accuracy") is not None]  # fmt: skip
+    evals += [
+        (r["wall_time"], r["step"] + 1, r["eval/accuracy"])
+        for r in recs
+        if r.get("eval/accuracy") is not None
+    ]
     hit = next(((t, s) for t, s, a in evals if a is not None and a >= args.target), (None, None))
     later = recs[1:] or recs
     wall = [r["wall_time"] for r in recs]
     kept = _mean(later, "behave_mask_ratio")
     return {
-        "arm": arm, "eta": eta, "loss": loss, "minibatches": mb, "seed": seed,
-        "budget_s": args.budget, "steps": len(recs),
+        "arm": arm,
+        "eta": eta,
+        "loss": loss,
+        "minibatches": mb,
+        "seed": seed,
+        "budget_s": args.budget,
+        "steps": len(recs),
         "steps_per_s": round((len(wall) - 1) / max(wall[-1] - wall[0], 1e-9), 4),
         # Trained (generated) tokens per second: steps/s alone rewards an arm whose answers got
         # shorter, and the policy's lengths drift differently in every run.
-        "tokens_per_s": round(sum(r.get("n_tokens", 0) for r in later) / max(wall[-1] - wall[0], 1e-9), 1),
+        "tokens_per_s": round(
+            sum(r.get("n_tokens", 0) for r in later) / max(wall[-1] - wall[0], 1e-9), 1
+        ),
         "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
-        "acc_before": evals[0][2], "acc_end": evals[-1][2], "target": args.target,
-        "time_to_target_s": hit[0], "steps_to_target": hit[1],
-        "behave_kl_k1": _mean(later, "behave_kl_k1" if decoupled else "approx_kl",
-                              1.0 if decoupled else -1.0),
-        "imp_weight_std": _mean(later, "behave_imp_weight_std" if decoupled
-                                else "importance_weight_std"),
+        "acc_before": evals[0][2],
+        "acc_end": evals[-1][2],
+        "target": args.target,
+        "time_to_target_s": hit[0],
+        "steps_to_target": hit[1],
+        "behave_kl_k1": _mean(
+            later, "behave_kl_k1" if decoupled else "approx_kl", 1.0 if decoupled else -1.0
+        ),
+        "imp_weight_std": _mean(
+            later, "behave_imp_weight_std" if decoupled else "importance_weight_std"
+        ),
         "capped_frac": round(1 - kept, 5) if decoupled and kept is not None else 0.0,
         "interrupted_requests": sum(r.get("rollout/interrupted_requests", 0) for r in recs),
         **{k.replace("rollout/", ""): _mean(later, k) for k in REGIME_KEYS},
-    }  # fmt: skip
+    }
 
 
 def run(arm: str, seed: int, model: str, args, done: dict) -> dict:
@@ -129,9 +167,13 @@ def run(arm: str, seed: int, model: str, args, done: dict) -> dict:
     key = (arm, seed, args.budget)
     if key not in done:
         name = f"{arm}_s{seed}"
-        recs = launch_for(CONFIG, arm_overrides(arm, seed, model, args),
-                          os.path.join(args.workdir, "long-regime", name, "metrics.jsonl"),
-                          os.path.join(args.workdir, f"{name}.log"), args.budget)  # fmt: skip
+        recs = launch_for(
+            CONFIG,
+            arm_overrides(arm, seed, model, args),
+            os.path.join(args.workdir, "long-regime", name, "metrics.jsonl"),
+            os.path.join(args.workdir, f"{name}.log"),
+            args.budget,
+        )
         done[key] = summarize_run(arm, seed, recs, args)
         with open(os.path.join(args.workdir, "results.jsonl"), "a") as f:
             f.write(json.dumps(done[key]) + "\n")
@@ -147,19 +189,38 @@ def async_vs_sync(results: list[dict]) -> None:
         if base is None or r["loss"] != "decoupled" or r["minibatches"] != 1 or r["eta"] == 0:
             continue
         t_sync, t_async = base["time_to_target_s"], r["time_to_target_s"]
-        emit("async_vs_sync", eta=r["eta"], seed=r["seed"], target=r["target"],
-             sync_time_to_target_s=t_sync, async_time_to_target_s=t_async,
-             time_ratio_sync_over_async=round(t_sync / t_async, 2) if t_sync and t_async else None,
-             steps_per_s_ratio=round(r["steps_per_s"] / base["steps_per_s"], 2),
-             tokens_per_s_ratio=round(r["tokens_per_s"] / max(base["tokens_per_s"], 1e-9), 2),
-             within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)))  # fmt: skip
+        emit(
+            "async_vs_sync",
+            eta=r["eta"],
+            seed=r["seed"],
+            target=r["target"],
+            sync_time_to_target_s=t_sync,
+            async_time_to_target_s=t_async,
+            time_ratio_sync_over_async=round(t_sync / t_async, 2) if t_sync and t_async else None,
+            steps_per_s_ratio=round(r["steps_per_s"] / base["steps_per_s"], 2),
+            tokens_per_s_ratio=round(r["tokens_per_s"] / max(base["tokens_per_s"], 1e-9), 2),
+            within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)),
+        )
 
 
 def arm_table(results: list[dict]) -> None:
     """Mean (and std over seeds) per arm, as JSON lines and a markdown table."""
-    keys = ("acc_end", "time_to_target_s", "steps_per_s", "tokens_per_s", "behave_kl_k1", "imp_weight_std",
-            "capped_frac", "clip_ratio", "off_policy_token_frac", "resumed_seq_frac",
-            "gen_len_p50", "gen_len_p90", "gen_len_max", "server_busy_frac")  # fmt: skip
+    keys = (
+        "acc_end",
+        "time_to_target_s",
+        "steps_per_s",
+        "tokens_per_s",
+        "behave_kl_k1",
+        "imp_weight_std",
+        "capped_frac",
+        "clip_ratio",
+        "off_policy_token_frac",
+        "resumed_seq_frac",
+        "gen_len_p50",
+        "gen_len_p90",
+        "gen_len_max",
+        "server_busy_frac",
+    )
     print("| arm | seeds | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
     for arm in dict.fromkeys(r["arm"] for r in results):
@@ -170,8 +231,12 @@ def arm_table(results: list[dict]) -> None:
             row[k] = round(statistics.mean(vals), 4) if vals else None
             row[f"{k}_std"] = round(statistics.stdev(vals), 4) if len(vals) > 1 else None
         emit("arm", **row)
-        cells = [f"{row[k]:.4g}" + (f" ± {row[k + '_std']:.2g}" if row[k + "_std"] else "")
-                 if row[k] is not None else "-" for k in keys]  # fmt: skip
+        cells = [
+            f"{row[k]:.4g}" + (f" ± {row[k + '_std']:.2g}" if row[k + "_std"] else "")
+            if row[k] is not None
+            else "-"
+            for k in keys
+        ]
         print(f"| {arm} | {len(rs)} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -189,8 +254,11 @@ def plot(results: list[dict], path: str) -> None:
             style = {"decoupled": "-", "naive": "--", "unclipped": ":"}[r["loss"]]
             ax.plot(t, a, style, color=colors(i % 20), lw=1.3, label=arm if j == 0 else None)
     ax.axhline(results[0]["target"], color="grey", lw=0.8)
-    ax.set(xlabel="wall time (s)", ylabel="greedy held-out accuracy",
-           title="long_sums: accuracy vs wall clock (one line per arm and seed)")  # fmt: skip
+    ax.set(
+        xlabel="wall time (s)",
+        ylabel="greedy held-out accuracy",
+        title="long_sums: accuracy vs wall clock (one line per arm and seed)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -201,10 +269,23 @@ def vs_trl(model: str, args) -> None:
     """Part b: TRL and arealite (this config, its server) on long_sums, seed by seed."""
     task, runs = TASKS["long_sums"], []
     for seed in args.seeds:
-        runs.append(run_trl(model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr,
-                            task_name="long_sums"))  # fmt: skip
-        runs.append(run_arealite(model, seed, args.trl_minutes, args.workdir, 0,
-                                 extra=args.arealite_args.split(), lr=args.lr, task=task))  # fmt: skip
+        runs.append(
+            run_trl(
+                model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr, task_name="long_sums"
+            )
+        )
+        runs.append(
+            run_arealite(
+                model,
+                seed,
+                args.trl_minutes,
+                args.workdir,
+                0,
+                extra=args.arealite_args.split(),
+                lr=args.lr,
+                task=task,
+            )
+        )
     compare(runs, task.levels)
 
 
@@ -251,8 +332,10 @@ def main() -> None:
     args = parse_args()
     emit("machine", cores=os.cpu_count(), workdir=args.workdir, **cpu_summary())
     model = warm_start(args)
-    done = {(r["arm"], r["seed"], r["budget_s"]): r
-            for r in read_jsonl(os.path.join(args.workdir, "results.jsonl"))}  # fmt: skip
+    done = {
+        (r["arm"], r["seed"], r["budget_s"]): r
+        for r in read_jsonl(os.path.join(args.workdir, "results.jsonl"))
+    }
     # Seed-major: a bench cut short still has every arm at seed 1.
     results = [run(arm, seed, model, args, done) for seed in args.seeds for arm in args.arms]
     if results:

@@ -40,10 +40,15 @@ def build_sft(workdir: str) -> str:
     tiny = os.path.join(workdir, "tiny_model")
     if not os.path.isfile(os.path.join(tiny, "config.json")):
         subprocess.run([sys.executable, "-m", "arealite.testing.tiny_model", tiny], check=True)
-    launch("sft.py", "arith_sft.yaml", [f"cluster.fileroot={workdir}", f"model.path={tiny}"],
-           os.path.join(workdir, "sft.log"))  # fmt: skip
-    return sorted(glob.glob(os.path.join(workdir, "arith-sft", "demo", "checkpoints",
-                                         "final", "*")))[-1]  # fmt: skip
+    launch(
+        "sft.py",
+        "arith_sft.yaml",
+        [f"cluster.fileroot={workdir}", f"model.path={tiny}"],
+        os.path.join(workdir, "sft.log"),
+    )
+    return sorted(
+        glob.glob(os.path.join(workdir, "arith-sft", "demo", "checkpoints", "final", "*"))
+    )[-1]
 
 
 def read_arm(run_dir: str, wall_s: float) -> dict:

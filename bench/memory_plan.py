@@ -38,33 +38,88 @@ from arealite.launcher.memory_plan import (  # noqa: E402
 
 # config.json fields of the real models (hub configs), for a plan without any download.
 QWEN_SHAPES = {
-    "Qwen2.5-0.5B": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-                         tie_word_embeddings=True),
-    "Qwen2.5-1.5B": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
-                         tie_word_embeddings=True),
-}  # fmt: skip
+    "Qwen2.5-0.5B": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-1.5B": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        tie_word_embeddings=True,
+    ),
+}
 GSM8K = os.path.join(ROOT, "examples", "configs", "gsm8k_grpo.yaml")
 LAYOUTS = {  # name -> overrides of the shipped config
     "as shipped (server GPU 0, trainer GPU 1)": [],
     "one GPU, shared": ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true"],
     "one GPU, shared, mem_fraction_static 0.35": [
-        "cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "server.mem_fraction_static=0.35"],
-}  # fmt: skip
+        "cluster.n_gpus_per_node=1",
+        "cluster.share_gpus=true",
+        "server.mem_fraction_static=0.35",
+    ],
+}
 
 # Measured cases: tiny_model sizes, tokens per micro-batch (sequences of 128), checkpointing.
 SEQ = 128
 CASES = {
-    "states": (dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2,
-                    intermediate_size=2048, model_vocab_size=8192), 256, False),
-    "logits": (dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=512, model_vocab_size=16384), 2048, False),
-    "activations": (dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
-                         intermediate_size=2048, model_vocab_size=1024), 1024, False),
-    "checkpointing": (dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
-                           intermediate_size=2048, model_vocab_size=1024), 1024, True),
-}  # fmt: skip
+    "states": (
+        dict(
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=2048,
+            model_vocab_size=8192,
+        ),
+        256,
+        False,
+    ),
+    "logits": (
+        dict(
+            hidden_size=256,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=512,
+            model_vocab_size=16384,
+        ),
+        2048,
+        False,
+    ),
+    "activations": (
+        dict(
+            hidden_size=512,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=2048,
+            model_vocab_size=1024,
+        ),
+        1024,
+        False,
+    ),
+    "checkpointing": (
+        dict(
+            hidden_size=512,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=2,
+            intermediate_size=2048,
+            model_vocab_size=1024,
+        ),
+        1024,
+        True,
+    ),
+}
 
 
 def dry(gpu_gb: float) -> list[dict]:
@@ -82,8 +137,14 @@ def dry(gpu_gb: float) -> list[dict]:
             except ConfigError as e:  # the refusal a launcher would print, knobs included
                 verdict = "refused: " + next(x for x in str(e).splitlines() if " needs " in x)[:-7]
             print(f"== {name}, {layout}: {verdict}\n{plan.describe()}")
-            out.append(dict(model=name, layout=layout, verdict=verdict.split(":")[0],
-                            gpus={w: round(p / GIB, 2) for w, p in plan.gpus}))  # fmt: skip
+            out.append(
+                dict(
+                    model=name,
+                    layout=layout,
+                    verdict=verdict.split(":")[0],
+                    gpus={w: round(p / GIB, 2) for w, p in plan.gpus},
+                )
+            )
     return out
 
 
@@ -104,10 +165,15 @@ def child(model_dir: str, tokens: int, ckpt: bool) -> None:
     from arealite.engine.fsdp_engine import FSDPEngine
     from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
 
-    cfg = TrainEngineConfig(path=model_dir, dtype="float32", attn_impl="sdpa_varlen",
-                            fsdp=FSDPConfig(param_dtype="float32"), gradient_checkpointing=ckpt,
-                            mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
-                            optimizer=OptimizerConfig(lr=1e-4))  # fmt: skip
+    cfg = TrainEngineConfig(
+        path=model_dir,
+        dtype="float32",
+        attn_impl="sdpa_varlen",
+        fsdp=FSDPConfig(param_dtype="float32"),
+        gradient_checkpointing=ckpt,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=tokens),
+        optimizer=OptimizerConfig(lr=1e-4),
+    )
     n = tokens // SEQ
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
     ids = torch.randint(0, vocab, (n, SEQ), generator=torch.Generator().manual_seed(0))
@@ -131,8 +197,12 @@ def measure(case: str, workdir: str) -> dict:
 
     sizes, tokens, ckpt = CASES[case]
     model_dir = build_tiny_model(os.path.join(workdir, case), **sizes)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "OMP_NUM_THREADS": "2",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = [sys.executable, __file__, "--child", model_dir, str(tokens), str(int(ckpt))]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -141,10 +211,16 @@ def measure(case: str, workdir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
         shape = ModelShape.from_hf_config(json.load(f))
     terms = trainer_terms(shape, TrainSetup(4, 4, 1, ckpt, tokens, cuda=False))
-    rec = dict(case=case, params_m=round(shape.params / 1e6, 1), tokens=tokens, ckpt=ckpt,
-               plan_mb=round(terms["peak"] / 2**20, 1), measured_mb=round(measured / 2**20, 1),
-               plan_over_measured=round(terms["peak"] / measured, 3),
-               terms_mb={k: round(v / 2**20, 1) for k, v in terms.items() if k != "peak"})  # fmt: skip
+    rec = dict(
+        case=case,
+        params_m=round(shape.params / 1e6, 1),
+        tokens=tokens,
+        ckpt=ckpt,
+        plan_mb=round(terms["peak"] / 2**20, 1),
+        measured_mb=round(measured / 2**20, 1),
+        plan_over_measured=round(terms["peak"] / measured, 3),
+        terms_mb={k: round(v / 2**20, 1) for k, v in terms.items() if k != "peak"},
+    )
     print(json.dumps(rec), flush=True)
     return rec
 

@@ -53,8 +53,15 @@ def main() -> None:
         torch.manual_seed(1)
         mixed, frac = with_sampled_negatives(rows, model, tok, is_correct, n_samples=4)
         rows = [m for r, m in zip(rows, mixed) if m is not r]  # only the replaced rows
-        print(json.dumps({"kind": "policy_own_mistakes", "sampled_fraction": frac,
-                          "held_out_pair_accuracy": pair_accuracy(scorer, tok, rows)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "kind": "policy_own_mistakes",
+                    "sampled_fraction": frac,
+                    "held_out_pair_accuracy": pair_accuracy(scorer, tok, rows),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

