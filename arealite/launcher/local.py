@@ -92,11 +92,20 @@ def wait_servers(procs: ProcessSet, config, addrs: list[str]) -> None:
 
 def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(n_ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(port),
-        script, *script_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(n_ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        script,
+        *script_args,
+    ]
 
 
 def cpu_thread_env(config, n_busy_together: int) -> dict[str, str]:
@@ -156,13 +165,19 @@ def restart_dead_server(procs: ProcessSet, config):
         n = restarts.get(child.name, 0)
         if n == MAX_SERVER_RESTARTS:
             restarts[child.name] = n + 1
-            logger.error("%s died %d times; leaving it down (log: %s)", child.name, n + 1,
-                         child.log_path)  # fmt: skip
+            logger.error(
+                "%s died %d times; leaving it down (log: %s)", child.name, n + 1, child.log_path
+            )
         if n >= MAX_SERVER_RESTARTS:
             return
         restarts[child.name] = n + 1
-        logger.warning("%s died (code %s); restarting it (restart %d/%d)", child.name,
-                       child.popen.returncode, n + 1, MAX_SERVER_RESTARTS)  # fmt: skip
+        logger.warning(
+            "%s died (code %s); restarting it (restart %d/%d)",
+            child.name,
+            child.popen.returncode,
+            n + 1,
+            MAX_SERVER_RESTARTS,
+        )
         procs.start(child.name, child.cmd, child.env, critical=False)
 
     return on_death

@@ -55,13 +55,15 @@ class ModelShape:
         text = {**cfg, **cfg.get("text_config", {})}
         heads = text["num_attention_heads"]
         return cls(
-            vocab=text["vocab_size"], hidden=text["hidden_size"],
-            layers=text["num_hidden_layers"], heads=heads,
+            vocab=text["vocab_size"],
+            hidden=text["hidden_size"],
+            layers=text["num_hidden_layers"],
+            heads=heads,
             kv_heads=text.get("num_key_value_heads") or heads,
             intermediate=text["intermediate_size"],
             head_dim=text.get("head_dim") or text["hidden_size"] // heads,
             tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        )  # fmt: skip
+        )
 
     @property
     def kv_dim(self) -> int:
@@ -113,8 +115,11 @@ def activation_bytes(shape: ModelShape, s: TrainSetup) -> float:
     cb = s.compute_bytes
     per_layer = (9 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * cb
     per_layer += 0 if cb >= 4 else 8 * shape.hidden
-    kept = shape.hidden * cb * shape.layers + 2 * per_layer if s.grad_ckpt else (
-        per_layer * shape.layers)  # fmt: skip
+    kept = (
+        shape.hidden * cb * shape.layers + 2 * per_layer
+        if s.grad_ckpt
+        else (per_layer * shape.layers)
+    )
     return s.mb_tokens * (kept + 4 * shape.hidden * cb)
 
 
@@ -141,8 +146,12 @@ def trainer_terms(shape: ModelShape, s: TrainSetup) -> dict[str, float]:
         "step_tmp": step_tmp if s.trainable else 0.0,
         "runtime": (RUNTIME_GIB if s.cuda else CPU_RUNTIME_GIB) * GIB,
     }
-    t["peak"] = t["weights"] + t["optimizer"] + t["runtime"] + max(
-        t["activations"] + t["logits"], t["grads"] + t["step_tmp"])  # fmt: skip
+    t["peak"] = (
+        t["weights"]
+        + t["optimizer"]
+        + t["runtime"]
+        + max(t["activations"] + t["logits"], t["grads"] + t["step_tmp"])
+    )
     return t
 
 
@@ -203,17 +212,21 @@ def train_setup(config, engine, cuda: bool) -> TrainSetup:
     mb_spec.max_tokens_per_mb (at least one whole sequence), else its rank's whole batch."""
     dp = config.allocation.train_world_size
     seq = sequence_tokens(config)
-    per_step = config.train_dataset.batch_size * getattr(getattr(config, "gconfig", None),
-                                                          "n_samples", 1)  # fmt: skip
+    per_step = config.train_dataset.batch_size * getattr(
+        getattr(config, "gconfig", None), "n_samples", 1
+    )
     cap = engine.mb_spec.max_tokens_per_mb
     tokens = max(cap, seq) if cap else -(-per_step * seq // (dp * engine.mb_spec.n_mbs))
     return TrainSetup(
         master_bytes=dtype_bytes(engine.dtype, cuda),
-        compute_bytes=dtype_bytes(engine.fsdp.param_dtype, cuda), dp=dp,
-        grad_ckpt=engine.gradient_checkpointing, mb_tokens=tokens,
-        trainable=engine.lora is None and engine.optimizer is not None, cuda=cuda,
+        compute_bytes=dtype_bytes(engine.fsdp.param_dtype, cuda),
+        dp=dp,
+        grad_ckpt=engine.gradient_checkpointing,
+        mb_tokens=tokens,
+        trainable=engine.lora is None and engine.optimizer is not None,
+        cuda=cuda,
         head=1 if engine.is_critic else 0,
-    )  # fmt: skip
+    )
 
 
 def trainer_plan(config, shape: ModelShape, cuda: bool) -> dict[str, float]:
@@ -243,18 +256,22 @@ def server_setup(config, device_bytes: float | None) -> ServerSetup | None:
         return None
     cuda = config.cluster.n_gpus_per_node > 0
     return ServerSetup(
-        backend=alloc.gen_backend, dtype_bytes=dtype_bytes(config.server.dtype, cuda),
-        tp=alloc.gen.tensor_parallel_size, seq_len=sequence_tokens(config),
+        backend=alloc.gen_backend,
+        dtype_bytes=dtype_bytes(config.server.dtype, cuda),
+        tp=alloc.gen.tensor_parallel_size,
+        seq_len=sequence_tokens(config),
         max_batch_size=config.server.max_batch_size,
-        mem_fraction=config.server.mem_fraction_static, device_bytes=device_bytes,
-    )  # fmt: skip
+        mem_fraction=config.server.mem_fraction_static,
+        device_bytes=device_bytes,
+    )
 
 
 def colocated_setup(config, cuda: bool) -> ServerSetup:
     """A trainer rank's in-process generator (colocated+...): the embedded server's terms."""
     dtype = dtype_bytes(config.server.dtype, cuda)
-    return ServerSetup("local", dtype, 1, sequence_tokens(config), config.server.max_batch_size,
-                       0.0, None)  # fmt: skip
+    return ServerSetup(
+        "local", dtype, 1, sequence_tokens(config), config.server.max_batch_size, 0.0, None
+    )
 
 
 def gpu_memory_bytes(cluster) -> float | None:
@@ -267,8 +284,12 @@ def gpu_memory_bytes(cluster) -> float | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
-                              "nounits"], capture_output=True, text=True, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         mib = [float(x) for x in out.stdout.split()]
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -291,11 +312,13 @@ class MemoryPlan:
         s, t = self.setup, self.trainer
         n = self.shape.params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 / 2 else f"{n / 1e6:.1f}M"
-        lines = [f"memory plan (GiB): {size} parameters (vocab "
-                 f"{self.shape.vocab}, {self.shape.layers} layers x {self.shape.hidden})",
-                 f"  trainer rank (dp {s.dp}, micro-batch {s.mb_tokens} tokens, {s.master_bytes}"
-                 f"-byte master / {s.compute_bytes}-byte compute, checkpointing "
-                 f"{'on' if s.grad_ckpt else 'off'}): {_terms(t)}"]  # fmt: skip
+        lines = [
+            f"memory plan (GiB): {size} parameters (vocab "
+            f"{self.shape.vocab}, {self.shape.layers} layers x {self.shape.hidden})",
+            f"  trainer rank (dp {s.dp}, micro-batch {s.mb_tokens} tokens, {s.master_bytes}"
+            f"-byte master / {s.compute_bytes}-byte compute, checkpointing "
+            f"{'on' if s.grad_ckpt else 'off'}): {_terms(t)}",
+        ]
         if self.server is not None:
             lines.append(f"  server: {_terms(self.server)}")
         for what, peak in self.gpus:
@@ -339,16 +362,22 @@ def knobs(plan: MemoryPlan, what: str) -> list[str]:
     k, t, s, out = plan.key, plan.trainer, plan.setup, []
     if "trainer" in what:
         act = (t["activations"] + t["logits"]) / GIB
-        out.append(f"{k}.mb_spec.max_tokens_per_mb (now {s.mb_tokens} tokens: activations + "
-                   f"logits {act:.1f} GiB scale with it)")  # fmt: skip
+        out.append(
+            f"{k}.mb_spec.max_tokens_per_mb (now {s.mb_tokens} tokens: activations + "
+            f"logits {act:.1f} GiB scale with it)"
+        )
         if not s.grad_ckpt:
             out.append(f"{k}.gradient_checkpointing=true")
         states = (t["weights"] + t["grads"] + t["optimizer"]) / GIB
-        out.append(f"more trainer ranks in allocation_mode or {k}.fsdp.offload_params=true "
-                   f"(weights + grads + optimizer {states:.1f} GiB, sharded over the ranks)")  # fmt: skip
+        out.append(
+            f"more trainer ranks in allocation_mode or {k}.fsdp.offload_params=true "
+            f"(weights + grads + optimizer {states:.1f} GiB, sharded over the ranks)"
+        )
     if "server" in what and plan.server is not None:
-        out.append("server.mem_fraction_static (SGLang's weights + KV pool) or "
-                   "server.max_batch_size (the embedded server's KV cache)")  # fmt: skip
+        out.append(
+            "server.mem_fraction_static (SGLang's weights + KV pool) or "
+            "server.max_batch_size (the embedded server's KV cache)"
+        )
     if "+" in what:
         out.append("cluster.share_gpus=false with a GPU for each side")
     out.append("cluster.gpu_memory_gb (when the GPU has more memory than assumed)")
@@ -362,17 +391,23 @@ def check_plan(plan: MemoryPlan, warn) -> None:
 
     sv = plan.server
     if sv is not None and "kv_tokens" in sv and plan.device_bytes and sv["kv"] <= 0:
-        raise ConfigError(f"{plan.describe()}\nthe server's weights fill its static memory "
-                          "(no KV pool left): raise server.mem_fraction_static")  # fmt: skip
+        raise ConfigError(
+            f"{plan.describe()}\nthe server's weights fill its static memory "
+            "(no KV pool left): raise server.mem_fraction_static"
+        )
     for what, peak in sorted(plan.gpus, key=lambda g: -g[1]) if plan.device_bytes else []:
         ratio = peak / plan.device_bytes
         if ratio > 1.0:
             turn = "\n  ".join(knobs(plan, what))
-            raise ConfigError(f"{plan.describe()}\nthe GPU with {what} needs {peak / GIB:.1f} GiB "
-                              f"but has {plan.device_bytes / GIB:.1f}; turn:\n  {turn}")  # fmt: skip
+            raise ConfigError(
+                f"{plan.describe()}\nthe GPU with {what} needs {peak / GIB:.1f} GiB "
+                f"but has {plan.device_bytes / GIB:.1f}; turn:\n  {turn}"
+            )
         if ratio > WARN_FRACTION:
-            warn(f"memory plan: the GPU with {what} is expected at {ratio:.0%} of its memory "
-                 f"({'; '.join(knobs(plan, what)[:2])})")  # fmt: skip
+            warn(
+                f"memory plan: the GPU with {what} is expected at {ratio:.0%} of its memory "
+                f"({'; '.join(knobs(plan, what)[:2])})"
+            )
 
 
 def check_memory(config, device_bytes: float | None = None, log=None) -> MemoryPlan | None:
@@ -385,8 +420,11 @@ def check_memory(config, device_bytes: float | None = None, log=None) -> MemoryP
     try:
         shape = read_model_shape(engine.path)
     except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:
-        log.info("memory plan skipped: no decoder sizes in %s/config.json (%s)",
-                 getattr(engine, "path", None), e)  # fmt: skip
+        log.info(
+            "memory plan skipped: no decoder sizes in %s/config.json (%s)",
+            getattr(engine, "path", None),
+            e,
+        )
         return None
     if device_bytes is None and config.cluster.n_gpus_per_node:
         device_bytes = gpu_memory_bytes(config.cluster)

@@ -112,5 +112,11 @@ def plan_local(config, n_physical: int, cuda_visible: str | None) -> GpuPlan | N
     n_servers = alloc.gen_n_servers
     per_server = alloc.gen_world_size // n_servers if n_servers else 1
     share = config.cluster.share_gpus
-    return plan_gpus(n_servers, per_server, alloc.train_world_size, devices[:per_node], share,
-                     alloc.train.tensor_parallel_size)  # fmt: skip
+    return plan_gpus(
+        n_servers,
+        per_server,
+        alloc.train_world_size,
+        devices[:per_node],
+        share,
+        alloc.train.tensor_parallel_size,
+    )

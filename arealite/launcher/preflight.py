@@ -123,8 +123,11 @@ def _snapshot(key: str, repo_id: str) -> str:
     try:
         return snapshot_download(repo_id)
     except Exception as e:  # network, auth, missing repo, offline cache miss: all say the same
-        where = f"HF_HUB_OFFLINE=1: not in the hub cache {constants.HF_HUB_CACHE}" if (
-            constants.HF_HUB_OFFLINE) else "download failed"  # fmt: skip
+        where = (
+            f"HF_HUB_OFFLINE=1: not in the hub cache {constants.HF_HUB_CACHE}"
+            if (constants.HF_HUB_OFFLINE)
+            else "download failed"
+        )
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(
             f"{key}={repo_id!r}: hub model {repo_id!r} could not be resolved ({where}; "
@@ -393,6 +396,12 @@ def plan_cluster(config) -> ClusterPlan:
             f"{train_nodes} node(s) for {W} trainer rank(s) = {needed} > cluster.n_nodes={cl.n_nodes}"
         )
     return ClusterPlan(
-        True, gen_nodes, servers_per_node, train_nodes, ranks_per_node,
-        tp * cpus_per_gpu, ranks_per_node * cpus_per_gpu, needed,
-    )  # fmt: skip
+        True,
+        gen_nodes,
+        servers_per_node,
+        train_nodes,
+        ranks_per_node,
+        tp * cpus_per_gpu,
+        ranks_per_node * cpus_per_gpu,
+        needed,
+    )

@@ -79,9 +79,13 @@ class ProcessSet:
         # Called from the launcher's main thread, which lives as long as the launcher: the
         # parent-death signal fires exactly when the launcher dies.
         popen = subprocess.Popen(
-            cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=die_with_parent,
-        )  # fmt: skip
+        )
         child = Child(name, popen, log_path, critical, cmd=list(cmd), env=dict(env or {}))
         if stream:
             t = threading.Thread(target=_tee, args=(popen.stdout, log_file, ""), daemon=True)

@@ -100,9 +100,14 @@ class ProcessActor:
             log.flush()
             try:
                 self.popen = subprocess.Popen(
-                    cmd, env={**os.environ, **env}, cwd=cwd, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
-                )  # fmt: skip
+                    cmd,
+                    env={**os.environ, **env},
+                    cwd=cwd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
             except OSError as e:
                 box["error"] = e
                 started.set()
@@ -253,9 +258,16 @@ class RayRun:
             a = self.actor(f"server{i}", pg, i, b["CPU"], b.get("GPU", 0))
             key = server_key(cfg.experiment_name, cfg.trial_name, i)
             ref = a.serve.remote(
-                alloc.gen_backend, cfg.server, tp, weight_roots(cfg), key,
-                cfg.cluster.name_resolve, os.path.abspath(cfg.cluster.fileroot), os.getcwd(), env,
-            )  # fmt: skip
+                alloc.gen_backend,
+                cfg.server,
+                tp,
+                weight_roots(cfg),
+                key,
+                cfg.cluster.name_resolve,
+                os.path.abspath(cfg.cluster.fileroot),
+                os.getcwd(),
+                env,
+            )
             refs[ref] = f"server{i}"
         pending = list(refs)
         while pending:
@@ -304,11 +316,15 @@ class RayRun:
             node_infos = infos[node * plan.ranks_per_node : (node + 1) * plan.ranks_per_node]
             rank_env = {
                 **env,
-                "MASTER_ADDR": infos[0]["ip"], "MASTER_PORT": str(master_port),
-                "RANK": str(rank), "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(plan.ranks_per_node),
-                "GROUP_RANK": str(node), "NODE_RANK": str(node),
-            }  # fmt: skip
+                "MASTER_ADDR": infos[0]["ip"],
+                "MASTER_PORT": str(master_port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(plan.ranks_per_node),
+                "GROUP_RANK": str(node),
+                "NODE_RANK": str(node),
+            }
             if plan.gpu:  # LOCAL_RANK indexes the node's trainer GPUs, as under torchrun
                 rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(
                     g for i in node_infos for g in i["gpus"]

@@ -64,8 +64,13 @@ def contract_kwargs(row: dict[str, Any]) -> dict[str, Any]:
     messages = row.get("messages") or []
     prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
     kwargs = {k: v for k, v in row.items() if k not in CONTRACT_ARGS}
-    return dict(kwargs, prompt=prompt, completions=DUMMY_COMPLETION,
-                prompt_ids=list(DUMMY_PROMPT_IDS), completion_ids=list(DUMMY_COMPLETION_IDS))  # fmt: skip
+    return dict(
+        kwargs,
+        prompt=prompt,
+        completions=DUMMY_COMPLETION,
+        prompt_ids=list(DUMMY_PROMPT_IDS),
+        completion_ids=list(DUMMY_COMPLETION_IDS),
+    )
 
 
 def probe_rewards(key: str, specs: list[str], row: dict[str, Any], where: str, timeout: float):
@@ -77,8 +82,10 @@ def probe_rewards(key: str, specs: list[str], row: dict[str, Any], where: str, t
     pool = multiprocessing.get_context("spawn").Pool(1)
     try:
         for spec in specs:
-            head = (f"{key}: reward {spec!r}, called by preflight on {where} (columns "
-                    f"{columns}) with the dummy completion {DUMMY_COMPLETION!r},")  # fmt: skip
+            head = (
+                f"{key}: reward {spec!r}, called by preflight on {where} (columns "
+                f"{columns}) with the dummy completion {DUMMY_COMPLETION!r},"
+            )
             try:
                 pool.apply_async(_resolve, (spec,)).get(IMPORT_TIMEOUT_S)
                 fatal, problem = pool.apply_async(_call, (spec, kwargs)).get(timeout)
@@ -89,8 +96,11 @@ def probe_rewards(key: str, specs: list[str], row: dict[str, Any], where: str, t
             except Exception as e:  # the worker died, or the import failed there
                 fatal, problem = True, f"failed in the worker: {type(e).__name__}: {e}"
             if problem is not None and not fatal:
-                print(f"preflight: {head} {problem}\n(not fatal: the run scores such samples 0, "
-                      "and stops if most calls fail)", flush=True)  # fmt: skip
+                print(
+                    f"preflight: {head} {problem}\n(not fatal: the run scores such samples 0, "
+                    "and stops if most calls fail)",
+                    flush=True,
+                )
             elif problem is not None:
                 raise ConfigError(
                     f"{head} {problem}\nThe contract: fn(prompt, completions, prompt_ids, "

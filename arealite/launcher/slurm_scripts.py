@@ -89,11 +89,22 @@ def servers_script(config, plan: ClusterPlan, log_dir: str) -> str:
         )  # HOST/PORT: placeholders, filled in on the node by register-and-run
         cmd[0] = _python(config) if cmd[0] == sys.executable else cmd[0]
         wrapper = [
-            _python(config), "-m", "arealite.launcher.slurm", "register-and-run",
-            "--key", server_key(config.experiment_name, config.trial_name, i),
-            "--name-resolve-type", nr.type, "--name-resolve-root", nr_root,
-            "--host", host, "--timeout", str(config.server.startup_timeout), "--",
-        ]  # fmt: skip
+            _python(config),
+            "-m",
+            "arealite.launcher.slurm",
+            "register-and-run",
+            "--key",
+            server_key(config.experiment_name, config.trial_name, i),
+            "--name-resolve-type",
+            nr.type,
+            "--name-resolve-root",
+            nr_root,
+            "--host",
+            host,
+            "--timeout",
+            str(config.server.startup_timeout),
+            "--",
+        ]
         step = ["srun", "--exclusive", "--nodes=1", "--ntasks=1"]
         step += [f"--cpus-per-task={plan.cpus_per_server}", f"--output={log_dir}/server{i}.log"]
         step.append("--open-mode=append")
@@ -132,10 +143,16 @@ def trainer_script(config, plan: ClusterPlan, log_dir: str, script, script_args,
     step.append("--open-mode=append")  # logs accumulate across runs of a trial, as locally
     step += _srun_options(config)
     torchrun = [
-        py, "-m", "torch.distributed.run",
-        "--nnodes", str(plan.train_nodes), "--nproc-per-node", str(plan.ranks_per_node),
-        "--rdzv-backend", "c10d",
-    ]  # fmt: skip
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(plan.train_nodes),
+        "--nproc-per-node",
+        str(plan.ranks_per_node),
+        "--rdzv-backend",
+        "c10d",
+    ]
     rdzv = '--rdzv-id "arealite-$SLURM_JOB_ID" --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
     user = shlex.join([os.path.abspath(script), *script_args])
     lines.append(f"{shlex.join(step + torchrun)} {rdzv} {user}")
