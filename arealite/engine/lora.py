@@ -32,9 +32,12 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
 
     raise_unmatched_targets(cfg, model)  # peft would only say "not found"
     peft_cfg = LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules), bias="none",
-    )  # fmt: skip
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+    )
     # A fixed seed: every rank draws the same A (FSDP2 then keeps each rank's shard of its own
     # copy, so ranks drawing differently would train a mixture), and runs are reproducible.
     with torch.random.fork_rng(devices=[]):
@@ -43,8 +46,12 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     trainable, total = count_parameters(model)
     logger.info(
         "LoRA r=%d on %s: %d trainable of %d parameters (%.2f%%)",
-        cfg.rank, cfg.target_modules, trainable, total, 100.0 * trainable / max(total, 1),
-    )  # fmt: skip
+        cfg.rank,
+        cfg.target_modules,
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+    )
     return model
 
 

@@ -96,9 +96,14 @@ def ppo_actor_loss_fn(
     scalar ratios/means for logging.
     """
     _check_actor_loss_args(
-        (logprobs, old_logprobs, advantages, loss_mask, proximal_logprobs), eps_clip,
-        eps_clip_higher, c_clip, behav_imp_weight_cap, importance_sampling_level, cu_seqlens,
-    )  # fmt: skip
+        (logprobs, old_logprobs, advantages, loss_mask, proximal_logprobs),
+        eps_clip,
+        eps_clip_higher,
+        c_clip,
+        behav_imp_weight_cap,
+        importance_sampling_level,
+        cu_seqlens,
+    )
     mask = loss_mask != 0
     prox = old_logprobs if proximal_logprobs is None else proximal_logprobs
     adv = torch.where(mask, advantages, 0).detach()
@@ -120,9 +125,16 @@ def ppo_actor_loss_fn(
     token_loss = torch.where(mask, pg_loss * behav_weight, 0)
     loss = token_loss.sum() / mask.sum().clamp(min=1)
     stats = _actor_loss_stats(
-        token_loss, ratio, log_ratio, mask, clip_mask, dual_clip_mask, behav_weight, behav_log,
+        token_loss,
+        ratio,
+        log_ratio,
+        mask,
+        clip_mask,
+        dual_clip_mask,
+        behav_weight,
+        behav_log,
         behav_mask,
-    )  # fmt: skip
+    )
     return loss, stats
 
 
@@ -171,21 +183,42 @@ def _behaviour_weight(prox, old_logprobs, mask, cap):
 
 
 def _actor_loss_stats(
-    token_loss, ratio, log_ratio, mask, clip_mask, dual_clip_mask, behav_weight, behav_log,
+    token_loss,
+    ratio,
+    log_ratio,
+    mask,
+    clip_mask,
+    dual_clip_mask,
+    behav_weight,
+    behav_log,
     behav_mask,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """Detached per-token tensors (0 off the mask) and scalar ratios / means for logging."""
     n_tokens = mask.sum()
     approx_kl = torch.where(mask, log_ratio, 0).detach()
-    stats = {"loss": token_loss.detach(), "importance_weight": torch.where(mask, ratio, 0).detach(),
-             "approx_kl": approx_kl, "clip_mask": clip_mask, "dual_clip_mask": dual_clip_mask,
-             "behave_imp_weight": behav_weight, "behave_approx_kl": behav_log,
-             "behave_mask": behav_mask, "n_tokens": n_tokens}  # fmt: skip
-    for name, selected in (("clip", clip_mask), ("dual_clip", dual_clip_mask),
-                           ("behave_mask", behav_mask)):  # fmt: skip
+    stats = {
+        "loss": token_loss.detach(),
+        "importance_weight": torch.where(mask, ratio, 0).detach(),
+        "approx_kl": approx_kl,
+        "clip_mask": clip_mask,
+        "dual_clip_mask": dual_clip_mask,
+        "behave_imp_weight": behav_weight,
+        "behave_approx_kl": behav_log,
+        "behave_mask": behav_mask,
+        "n_tokens": n_tokens,
+    }
+    for name, selected in (
+        ("clip", clip_mask),
+        ("dual_clip", dual_clip_mask),
+        ("behave_mask", behav_mask),
+    ):
         stats[f"{name}_ratio"] = selected.sum() / n_tokens.clamp(min=1)
-    for name, m in (("importance_weight", mask), ("approx_kl", mask),
-                    ("behave_imp_weight", behav_mask), ("behave_approx_kl", behav_mask)):  # fmt: skip
+    for name, m in (
+        ("importance_weight", mask),
+        ("approx_kl", mask),
+        ("behave_imp_weight", behav_mask),
+        ("behave_approx_kl", behav_mask),
+    ):
         stats[f"{name}_mean"] = masked_mean(stats[name], m)
     return stats
 

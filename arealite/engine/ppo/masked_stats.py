@@ -63,9 +63,13 @@ def masked_sum(
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor | None, dim=None, keepdim: bool = False,
-    all_reduce: bool = False, group=None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim=None,
+    keepdim: bool = False,
+    all_reduce: bool = False,
+    group=None,
+) -> torch.Tensor:
     """sum_i m_i x_i / sum_i m_i over `dim`; 0 where nothing is selected.
 
     An empty selection gives 0 rather than NaN so an all-masked micro-batch adds no loss.
@@ -77,9 +81,14 @@ def masked_mean(
 
 
 def masked_var(
-    x: torch.Tensor, mask: torch.Tensor | None, dim=None, unbiased: bool = False,
-    keepdim: bool = False, all_reduce: bool = False, group=None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim=None,
+    unbiased: bool = False,
+    keepdim: bool = False,
+    all_reduce: bool = False,
+    group=None,
+) -> torch.Tensor:
     """sum_i m_i (x_i - mean)^2 / (n - ddof), n = sum_i m_i, ddof = 1 if unbiased else 0.
 
     Two passes (mean first, then squared deviations) instead of E[x^2] - E[x]^2, which cancels

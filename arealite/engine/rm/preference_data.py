@@ -125,8 +125,10 @@ def arith_preferences(
     initialised tiny model does not learn in minutes); test_fraction = 0 draws both splits from
     all expressions with different seeds (held-out pairs, seen expressions)."""
     if n_operands < 2 or not 1 <= offsets[0] <= offsets[1]:
-        raise ValueError(f"n_operands must be >= 2 and 1 <= min_offset <= max_offset, got "
-                         f"n_operands={n_operands}, offsets={offsets}")  # fmt: skip
+        raise ValueError(
+            f"n_operands must be >= 2 and 1 <= min_offset <= max_offset, got "
+            f"n_operands={n_operands}, offsets={offsets}"
+        )
     rng = random.Random(f"{seed}-{split}")
     held_out = split != "train"
     hi = 10**max_digits - 1
@@ -139,8 +141,14 @@ def arith_preferences(
         lo, hi_off = offsets
         deltas = [d for d in range(-hi_off, hi_off + 1) if abs(d) >= lo and total + d >= 0]
         wrong = total + rng.choice(deltas)
-        rows.append({"prompt": f"{expr}=", "chosen": str(total), "rejected": str(wrong),
-                     "answer": str(total)})  # fmt: skip
+        rows.append(
+            {
+                "prompt": f"{expr}=",
+                "chosen": str(total),
+                "rejected": str(wrong),
+                "answer": str(total),
+            }
+        )
     return rows
 
 
@@ -161,10 +169,17 @@ def sample_answers(
             chunk = idx[start : start + 256]
             batch = torch.tensor([ids[i] for i in chunk])
             gen = model.generate(
-                batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n_samples,
-                eos_token_id=eos, pad_token_id=eos,
-            )  # fmt: skip
+                batch,
+                attention_mask=torch.ones_like(batch),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n_samples,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
             for j, seq in enumerate(gen[:, batch.shape[1] :].tolist()):
                 seq = seq[: seq.index(eos)] if eos in seq else seq
                 out[chunk[j // n_samples]].append(tokenizer.decode(seq, skip_special_tokens=True))
@@ -217,9 +232,14 @@ def arith_preferences_from_options(
         raise ValueError(f"arith_preferences: unknown option(s) {unknown}; allowed: {allowed}")
     o = {**ARITH_PREFERENCE_OPTIONS, **options}
     rows = arith_preferences(
-        int(o["size"]), split, int(o["seed"]), int(o["max_digits"]), float(o["test_fraction"]),
-        (int(o["min_offset"]), int(o["max_offset"])), int(o["n_operands"]),
-    )  # fmt: skip
+        int(o["size"]),
+        split,
+        int(o["seed"]),
+        int(o["max_digits"]),
+        float(o["test_fraction"]),
+        (int(o["min_offset"]), int(o["max_offset"])),
+        int(o["n_operands"]),
+    )
     if not o["sampled_negatives_from"]:
         return rows, 0.0
     if is_correct is None:
@@ -231,6 +251,10 @@ def arith_preferences_from_options(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(o["seed"]) + (split != "train"))  # the same rows on every rank
         return with_sampled_negatives(
-            rows, model, AutoTokenizer.from_pretrained(path), is_correct,
-            int(o["sampled_negatives_n"]), float(o["sampled_negatives_fraction"]),
-        )  # fmt: skip
+            rows,
+            model,
+            AutoTokenizer.from_pretrained(path),
+            is_correct,
+            int(o["sampled_negatives_n"]),
+            float(o["sampled_negatives_fraction"]),
+        )

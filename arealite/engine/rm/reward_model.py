@@ -131,9 +131,13 @@ class FSDPRewardModel(FSDPEngine):
         )
         n = max(sums[3], 1.0)
         return dict(
-            loss=sums[0] / n, accuracy=sums[1] / n, margin=sums[2] / n, n_pairs=sums[3],
-            chosen_reward=sums[4] / n, rejected_reward=sums[5] / n,
-        )  # fmt: skip
+            loss=sums[0] / n,
+            accuracy=sums[1] / n,
+            margin=sums[2] / n,
+            n_pairs=sums[3],
+            chosen_reward=sums[4] / n,
+            rejected_reward=sums[5] / n,
+        )
 
     @torch.no_grad()
     def score(self, data: TensorDict) -> torch.Tensor | None:
