@@ -86,8 +86,13 @@ class ProxyWorkflow(RolloutWorkflow):
     session generates with its own workflow's settings. `reward_pool` scores sessions whose
     agent gives no reward (arealite.agent.workers)."""
 
-    def __init__(self, proxy: AgentProxy, gconfig: GenerationHyperparameters,
-                 turn_discount: float, reward_pool: Any = None):  # fmt: skip
+    def __init__(
+        self,
+        proxy: AgentProxy,
+        gconfig: GenerationHyperparameters,
+        turn_discount: float,
+        reward_pool: Any = None,
+    ):
         self.proxy, self.reward_pool = proxy, reward_pool
         self.gconfig, self.group_size = gconfig.new(n_samples=1), gconfig.n_samples
         self.turn_discount = turn_discount
@@ -158,8 +163,12 @@ class AgentProxy:
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
 
-    def workflow_for(self, gconfig: GenerationHyperparameters, turn_discount: float | None = None,
-                     reward_pool: Any = None) -> ProxyWorkflow:  # fmt: skip
+    def workflow_for(
+        self,
+        gconfig: GenerationHyperparameters,
+        turn_discount: float | None = None,
+        reward_pool: Any = None,
+    ) -> ProxyWorkflow:
         """Episodes of `gconfig.n_samples` sessions generating with `gconfig` (e.g. greedy
         evaluation beside training), served by this proxy's agents."""
         discount = self.turn_discount if turn_discount is None else turn_discount
@@ -267,11 +276,13 @@ class AgentProxy:
                 return None
 
     def _open(self, task: _Task) -> _Session:
-        client = TrainingOpenAIClient(task.engine, self.tokenizer, task.workflow.gconfig,
-                                      self.tool_parser)  # fmt: skip
+        client = TrainingOpenAIClient(
+            task.engine, self.tokenizer, task.workflow.gconfig, self.tool_parser
+        )
         sid = secrets.token_hex(8)
-        session = _Session(sid, secrets.token_urlsafe(24), task, client,
-                           time.monotonic() + self.session_timeout)  # fmt: skip
+        session = _Session(
+            sid, secrets.token_urlsafe(24), task, client, time.monotonic() + self.session_timeout
+        )
         self._sessions[sid] = session
         self.stats["started"] += 1
         return session
@@ -349,8 +360,9 @@ class AgentProxy:
                     del self._sessions[s.id]
                     self._closed.add(s.id)
             for s in expired:
-                logger.warning("agent session %s not ended within %ss; dropped", s.id,
-                               self.session_timeout)  # fmt: skip
+                logger.warning(
+                    "agent session %s not ended within %ss; dropped", s.id, self.session_timeout
+                )
                 self.stats["timed_out"] += 1
                 s.task.engine.cancel_all()
                 s.task.result.set_result(None)

@@ -29,8 +29,14 @@ class AgentRoute:
         self.proxy: AgentProxy | None = None
         self.workers: AgentWorkers | None = None
 
-    def __call__(self, reward_fn: Any, gconfig: GenerationHyperparameters, tokenizer: Any,
-                 reward_pool: Any = None, **_: Any) -> ProxyWorkflow:  # fmt: skip
+    def __call__(
+        self,
+        reward_fn: Any,
+        gconfig: GenerationHyperparameters,
+        tokenizer: Any,
+        reward_pool: Any = None,
+        **_: Any,
+    ) -> ProxyWorkflow:
         if self.proxy is None:
             self.start(gconfig)
         # Greedy evaluation reports the agent's own reward, undiscounted.
@@ -41,10 +47,13 @@ class AgentRoute:
         """Serve the proxy (a fresh random admin key: agents need only their session keys)."""
         c = self.config
         self.proxy = AgentProxy(
-            self.tokenizer, gconfig, api_key=secrets.token_urlsafe(24),
-            session_timeout=c.session_timeout, export_style=c.export_style,
+            self.tokenizer,
+            gconfig,
+            api_key=secrets.token_urlsafe(24),
+            session_timeout=c.session_timeout,
+            export_style=c.export_style,
             turn_discount=c.turn_discount,
-        )  # fmt: skip
+        )
         url = self.proxy.start()
         self.workers = AgentWorkers(self.proxy, c, self.tokenizer, self.cwd)
         self.workers.start()

@@ -85,17 +85,26 @@ class _Worker:
         self.stderr_tail: deque[str] = deque(maxlen=5)
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "OPENAI_BASE_URL": f"{self.proxy.url}/sessions/{self.alias}/v1",
-                "OPENAI_API_KEY": self.key, "AREALITE_AGENT_WORKER": str(self.index)}  # fmt: skip
+        return {
+            **os.environ,
+            "OPENAI_BASE_URL": f"{self.proxy.url}/sessions/{self.alias}/v1",
+            "OPENAI_API_KEY": self.key,
+            "AREALITE_AGENT_WORKER": str(self.index),
+        }
 
     async def ensure_running(self, argv: list[str], cwd: str | None) -> None:
         if self.proc is not None and self.proc.returncode is None:
             return
         self.proxy.stats["agent_restarts" if self.proc is not None else "agent_starts"] += 1
         self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=self.env(), cwd=cwd, limit=64 * 1024**2,
-        )  # fmt: skip
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env(),
+            cwd=cwd,
+            limit=64 * 1024**2,
+        )
         asyncio.ensure_future(self._relay_stderr(self.proc))
 
     async def _relay_stderr(self, proc: Any) -> None:
@@ -111,8 +120,12 @@ class _Worker:
 
     async def ask(self, s: Any, timeout: float) -> float | None:
         """Hand session `s` over and wait for the answer line."""
-        task = {"data": s.task.data, "base_url": f"{self.proxy.url}/sessions/{s.id}/v1",
-                "api_key": s.key, "session_id": s.id}  # fmt: skip
+        task = {
+            "data": s.task.data,
+            "base_url": f"{self.proxy.url}/sessions/{s.id}/v1",
+            "api_key": s.key,
+            "session_id": s.id,
+        }
         try:
             self.proc.stdin.write((json.dumps(task, default=str) + "\n").encode())
             await self.proc.stdin.drain()
@@ -153,8 +166,9 @@ class AgentWorkers:
 
     def start(self) -> None:
         loop = self.proxy.loop
-        self._futures = [asyncio.run_coroutine_threadsafe(self._serve(w), loop)
-                         for w in self.workers]  # fmt: skip
+        self._futures = [
+            asyncio.run_coroutine_threadsafe(self._serve(w), loop) for w in self.workers
+        ]
 
     def stop(self, timeout: float = 15.0) -> None:
         """Cancel the hand-overs, close the agents' stdin, kill those that linger."""
@@ -179,9 +193,14 @@ class AgentWorkers:
                 await self._finish(s, reward)
             except AgentFault as e:
                 self.proxy.stats[e.kind] += 1
-                logger.error("agent worker %d (`%s`): %s; session %s dropped%s", w.index,
-                             self.config.command, e, s.id,
-                             ", worker restarted" if e.restart else "")  # fmt: skip
+                logger.error(
+                    "agent worker %d (`%s`): %s; session %s dropped%s",
+                    w.index,
+                    self.config.command,
+                    e,
+                    s.id,
+                    ", worker restarted" if e.restart else "",
+                )
                 self._check_it_ever_works(e)
                 self.proxy.drop(s, None)
                 if e.restart:
@@ -214,14 +233,20 @@ class AgentWorkers:
         if reward is None and not s.rewarded and len(s.client.tree) > 0:
             pool = s.task.workflow.reward_pool
             if pool is None:
-                raise AgentFault("agent_no_reward", "answered no reward and `reward:` is not "
-                                 "set: answer {\"reward\": r} or set reward:", restart=False)  # fmt: skip
+                raise AgentFault(
+                    "agent_no_reward",
+                    "answered no reward and `reward:` is not "
+                    'set: answer {"reward": r} or set reward:',
+                    restart=False,
+                )
             last = s.client.interactions[-1]
             reward = await pool(
-                prompt=last.prompt_text, completions=last.message.get("content") or "",
-                prompt_ids=last.prompt_ids, completion_ids=last.output_ids,
+                prompt=last.prompt_text,
+                completions=last.message.get("content") or "",
+                prompt_ids=last.prompt_ids,
+                completion_ids=last.output_ids,
                 **reward_row(s.task.data),
-            )  # fmt: skip
+            )
         if reward is not None and len(s.client.tree) > 0:
             s.client.set_final_reward(reward)
             s.rewarded = True
