@@ -29,9 +29,21 @@ _NEUTRAL = {
 }
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options"}
 _KNOWN = {
-    "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "max_tokens",
-    "max_completion_tokens", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
-}  # fmt: skip
+    "messages",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+}
 
 
 class ChatRequestError(ValueError):

@@ -89,11 +89,16 @@ class RewardErrors:
         n = self.kinds[kind]
         if n == 1:
             detail = f"{type(error).__name__}: {error}" if error is not None else kind
-            logger.warning("reward %s failed (%s); it scores 0. Repeats of this kind of failure "
-                           "are logged by count only", self.name, detail)  # fmt: skip
+            logger.warning(
+                "reward %s failed (%s); it scores 0. Repeats of this kind of failure "
+                "are logged by count only",
+                self.name,
+                detail,
+            )
         elif _is_log_point(n):
-            logger.warning("reward %s: %s %d times so far (%d calls)", self.name, kind, n,
-                           self.calls)  # fmt: skip
+            logger.warning(
+                "reward %s: %s %d times so far (%d calls)", self.name, kind, n, self.calls
+            )
         self._check()
 
     def end_step(self, what: str = "step") -> None:

@@ -82,10 +82,16 @@ class RunLock:
 
     def _record(self) -> dict:
         return {
-            "host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
-            "token": self.token, "mode": self.mode, "renewed": time.time(), "ttl": self.ttl,
-            "nonce": self._nonce, "released": False,
-        }  # fmt: skip
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": self._started,
+            "token": self.token,
+            "mode": self.mode,
+            "renewed": time.time(),
+            "ttl": self.ttl,
+            "nonce": self._nonce,
+            "released": False,
+        }
 
     def _write(self, record: dict) -> None:
         """Write a complete file and rename it into place: a reader never sees half of it."""
@@ -109,8 +115,9 @@ class RunLock:
         if previous and not previous.get("released"):
             logger.warning(
                 "run directory %s: taking over the lock left by %s, which is gone",
-                self.run_dir, _describe(previous),
-            )  # fmt: skip
+                self.run_dir,
+                _describe(previous),
+            )
         self.token = self._next_token(previous)
         self._write(self._record())
         if self.mode == "lease":
@@ -118,8 +125,9 @@ class RunLock:
             self._renewer = threading.Thread(target=self._renew, name="run-lock", daemon=True)
             self._renewer.start()
         os.environ[FENCING_TOKEN_ENV] = str(self.token)
-        logger.info("run directory %s locked (%s, fencing token %d)", self.run_dir, self.mode,
-                    self.token)  # fmt: skip
+        logger.info(
+            "run directory %s locked (%s, fencing token %d)", self.run_dir, self.mode, self.token
+        )
         return self.token
 
     @staticmethod
@@ -172,8 +180,9 @@ class RunLock:
             if holder.get("nonce") != self._nonce:
                 logger.critical(
                     "run directory %s: lease taken over by %s; exiting (one owner per run)",
-                    self.run_dir, _describe(holder),
-                )  # fmt: skip
+                    self.run_dir,
+                    _describe(holder),
+                )
                 os._exit(75)
             self._write(self._record())
 

@@ -42,10 +42,14 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 _CLASSES = {
-    ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
-    ("torch", "UntypedStorage"), ("torch", "TypedStorage"),
-    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-}  # fmt: skip
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "UntypedStorage"),
+    ("torch", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+}
 
 
 class _HandleUnpickler(pickle.Unpickler):
@@ -75,9 +79,12 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     except Exception as e:  # a truncated pickle, a handle that no longer exists, ...
         raise RefusedPayload(f"cannot open the tensor handles: {type(e).__name__}: {e}") from None
     ok = isinstance(named, list) and all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
-        and isinstance(p[1], torch.Tensor) for p in named
-    )  # fmt: skip
+        isinstance(p, tuple)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], torch.Tensor)
+        for p in named
+    )
     if not ok:
         raise RefusedPayload("expected a list of (name, tensor) pairs")
     return named
