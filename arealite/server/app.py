@@ -44,10 +44,17 @@ logger = logging.getLogger("arealite.server")
 
 PUBLIC_PATHS = frozenset({"/health"})
 POST_ROUTES = (
-    "generate", "pause_generation", "continue_generation", "abort_request",
-    "update_weights_from_disk", "init_weights_update_group", "update_weights_from_distributed",
-    "update_weights_from_tensor", "destroy_weights_update_group", "flush_cache",
-)  # fmt: skip
+    "generate",
+    "pause_generation",
+    "continue_generation",
+    "abort_request",
+    "update_weights_from_disk",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+    "destroy_weights_update_group",
+    "flush_cache",
+)
 GET_ROUTES = ("health", "get_model_info", "get_server_info", "get_weight_version", "metrics")
 
 

@@ -158,14 +158,20 @@ class ColocatedEngine(InferenceEngine):
         params = req.gconfig.to_sampling_params()
         params["max_new_tokens"] = req.gconfig.max_new_tokens - len(p.tokens)
         params["min_new_tokens"] = max(0, req.gconfig.min_new_tokens - len(p.tokens))
-        body = {"rid": req.rid, "input_ids": list(req.input_ids) + p.tokens,
-                "sampling_params": params, "return_logprob": True,
-                "image_data": req.image_data or []}  # fmt: skip
+        body = {
+            "rid": req.rid,
+            "input_ids": list(req.input_ids) + p.tokens,
+            "sampling_params": params,
+            "return_logprob": True,
+            "image_data": req.image_data or [],
+        }
         try:
             parsed = parse_generate_request(
-                body, vocab_size=runner.vocab_size, max_positions=runner.max_positions,
+                body,
+                vocab_size=runner.vocab_size,
+                max_positions=runner.max_positions,
                 accepts_images=runner.accepts_images,
-            )  # fmt: skip
+            )
         except BadRequest as e:
             raise ValueError(f"ModelRequest {req.rid}: {e}") from None
         return runner.new_sequence(parsed)

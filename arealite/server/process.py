@@ -136,9 +136,16 @@ def launch_server(
     for attempt in range(tries):
         try:
             return _launch_once(
-                model_path, port or find_free_port(host), host, dtype, api_key, extra_args,
-                log_path, timeout, env,
-            )  # fmt: skip
+                model_path,
+                port or find_free_port(host),
+                host,
+                dtype,
+                api_key,
+                extra_args,
+                log_path,
+                timeout,
+                env,
+            )
         except RuntimeError as e:
             if attempt == tries - 1 or "address already in use" not in str(e).lower():
                 raise

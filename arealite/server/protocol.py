@@ -352,7 +352,7 @@ def parse_generate_body(
                     vocab_size=vocab_size,
                     max_positions=max_positions,
                     accepts_images=accepts_images,
-                )  # fmt: skip
+                )
             )
         except BadRequest as e:
             raise BadRequest(f"batch item {i}: {e}") from None

@@ -64,15 +64,17 @@ class VersionGate:
                 409,
                 f"weight update refused: fencing token {token} is older than {current}, the "
                 "run's current owner (a stray trainer?)",
-                served_version=served, fencing_token=current,
-            )  # fmt: skip
+                served_version=served,
+                fencing_token=current,
+            )
         if token == current and version < served:
             raise WeightRefused(
                 409,
                 f"weight update refused: version {version} is older than the served version "
                 f"{served} (versions only move forward)",
-                served_version=served, fencing_token=current,
-            )  # fmt: skip
+                served_version=served,
+                fencing_token=current,
+            )
 
     def accept(self, token: int | None) -> None:
         if token is not None:
