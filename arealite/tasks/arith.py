@@ -32,8 +32,15 @@ from arealite.dataset.common import sft_row
 logger = logging.getLogger("arealite.dataset")
 
 OPTIONS = (
-    "size", "seed", "max_digits", "n_operands", "ops", "test_fraction", "mix", "follow_up",
-)  # fmt: skip
+    "size",
+    "seed",
+    "max_digits",
+    "n_operands",
+    "ops",
+    "test_fraction",
+    "mix",
+    "follow_up",
+)
 HELD_OUT_SPLITS = ("test", "valid", "validation")
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated exactly
 _HASH_BUCKETS = 10_000
@@ -100,8 +107,11 @@ def generate_arith_problems(
         if size > len(pool) and held_out:  # a held-out set never counts a problem twice
             logger.warning(
                 "arith %s: only %d distinct problems exist; using %d rows, not size=%d",
-                split, len(pool), len(pool), size,
-            )  # fmt: skip
+                split,
+                len(pool),
+                len(pool),
+                size,
+            )
             return pool
         if size > len(pool):
             logger.info(

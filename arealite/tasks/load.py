@@ -25,11 +25,21 @@ from arealite.tasks.registry import TASKS, Task, find_task
 def load_rows(cfg: Any, rank: int, world_size: int, type: str, tokenizer=None, processor=None):
     """This rank's shard of the dataset a DatasetConfig describes."""
     return get_custom_dataset(
-        cfg.path, rank, world_size, type=type, split=cfg.split, tokenizer=tokenizer,
-        processor=processor, max_length=cfg.max_length, too_long=cfg.too_long, name=cfg.name,
-        data_files=cfg.data_files, columns=cfg.columns, prompt_template=cfg.prompt_template,
+        cfg.path,
+        rank,
+        world_size,
+        type=type,
+        split=cfg.split,
+        tokenizer=tokenizer,
+        processor=processor,
+        max_length=cfg.max_length,
+        too_long=cfg.too_long,
+        name=cfg.name,
+        data_files=cfg.data_files,
+        columns=cfg.columns,
+        prompt_template=cfg.prompt_template,
         **(cfg.options or {}),
-    )  # fmt: skip
+    )
 
 
 def get_custom_dataset(
@@ -72,16 +82,16 @@ def get_custom_dataset(
                 f"nothing (built-in tasks: {sorted(TASKS)})"
             )
         with _naming_tasks():
-            ds = user_rows(path, split, type, tokenizer, name, data_files, columns,
-                           prompt_template)  # fmt: skip
+            ds = user_rows(path, split, type, tokenizer, name, data_files, columns, prompt_template)
     if len(ds) == 0:
         raise DatasetFormatError(f"dataset {path!r} (split {split!r}) has no rows")
     ds = drop_long_rows(ds, max_length, type, tokenizer, name=f"{path}:{split}", on_long=too_long)
     return shard_dataset(ds, rank, world_size)
 
 
-def _task_rows(found: tuple[str, Task], split, type, tokenizer, processor, rank, world_size,
-               options) -> Any:  # fmt: skip
+def _task_rows(
+    found: tuple[str, Task], split, type, tokenizer, processor, rank, world_size, options
+) -> Any:
     task_name, task = found
     unknown = set(options) - set(task.options)
     if unknown:

@@ -39,16 +39,32 @@ class Task:
 _COUNT = dict(vision=True, shards_itself=True)
 TASKS: dict[str, Task] = {
     "arith": Task(arith.load, arith.arith_reward_fn, ("arith",), arith.OPTIONS),
-    "long_sums": Task(long_sums.load, long_sums.long_sums_reward_fn, ("long_sums",),
-                      long_sums.OPTIONS),
-    "gsm8k": Task(gsm8k.load, gsm8k.math_reward_fn, ("math_verify", "gsm8k"), gsm8k.OPTIONS,
-                  aliases=(gsm8k.GSM8K_HUB_ID,)),
-    "clevr_count_70k": Task(clevr_count.load, clevr_count.clevr_count_reward_fn,
-                            ("clevr_count",), clevr_count.OPTIONS,
-                            aliases=(clevr_count.HF_DATASET_ID,), **_COUNT),
-    "synthetic_counting": Task(synthetic_counting.load, clevr_count.clevr_count_reward_fn,
-                               ("clevr_count",), synthetic_counting.OPTIONS, **_COUNT),
-}  # fmt: skip
+    "long_sums": Task(
+        long_sums.load, long_sums.long_sums_reward_fn, ("long_sums",), long_sums.OPTIONS
+    ),
+    "gsm8k": Task(
+        gsm8k.load,
+        gsm8k.math_reward_fn,
+        ("math_verify", "gsm8k"),
+        gsm8k.OPTIONS,
+        aliases=(gsm8k.GSM8K_HUB_ID,),
+    ),
+    "clevr_count_70k": Task(
+        clevr_count.load,
+        clevr_count.clevr_count_reward_fn,
+        ("clevr_count",),
+        clevr_count.OPTIONS,
+        aliases=(clevr_count.HF_DATASET_ID,),
+        **_COUNT,
+    ),
+    "synthetic_counting": Task(
+        synthetic_counting.load,
+        clevr_count.clevr_count_reward_fn,
+        ("clevr_count",),
+        synthetic_counting.OPTIONS,
+        **_COUNT,
+    ),
+}
 
 
 def find_task(path: str) -> tuple[str, Task] | None:
