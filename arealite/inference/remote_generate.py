@@ -133,9 +133,10 @@ async def generate_chunks(
         c.counters["generate_calls"] += 1
         # Judged on tokens only: an answer without any has nothing stale to keep out.
         stale = [
-            ch.version for ch in chunks
+            ch.version
+            for ch in chunks
             if ch.output_tokens and ch.version is not None and ch.version < expected
-        ]  # fmt: skip
+        ]
         if not stale:
             return chunks, addr
         reason = f"it serves weights v{min(stale)}, older than v{expected} (restarted?)"

@@ -82,8 +82,11 @@ class WeightUpdates:
                         raise  # a server answered with an error: not a server death
                     logger.warning(  # the run goes on: each server loads them as it returns
                         "weights v%d not loaded now (%s); every server loads them from %s when "
-                        "it is back, before it serves again", meta.version, e, meta.path,
-                    )  # fmt: skip
+                        "it is back, before it serves again",
+                        meta.version,
+                        e,
+                        meta.path,
+                    )
                 self.version = meta.version
                 self.last = meta
             finally:
@@ -166,8 +169,10 @@ class WeightUpdates:
             if meta is not None and meta.type != "disk":
                 logger.warning(
                     "inference server %s is healthy again but cannot rejoin: its weights can only "
-                    "be restored from disk, and the last update was %s", addr, meta.type
-                )  # fmt: skip
+                    "be restored from disk, and the last update was %s",
+                    addr,
+                    meta.type,
+                )
                 return
             if meta is not None:
                 await c.update_server_from_disk(addr, meta)

@@ -132,8 +132,9 @@ class ServerPool:
             self._outage_logged_at = now
             logger.warning(
                 "%s; requests wait up to %.0fs (rollout.setup_timeout) for one to come back",
-                e, self.wait_timeout,
-            )  # fmt: skip
+                e,
+                self.wait_timeout,
+            )
 
     def no_server_error(self) -> NoServerAvailable:
         detail = "; ".join(f"{a}: {why}" for a, why in self.failed.items())
