@@ -140,8 +140,14 @@ class TextModelSpec:
 
 # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings) with the tiny tokenizer, randomly
 # initialised: GPU throughput figures at a real model's size with no hub download.
-QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                  intermediate_size=4864, model_vocab_size=151936)  # fmt: skip
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    model_vocab_size=151936,
+)
 
 
 def build_tiny_model(
@@ -189,11 +195,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--qwen2.5-0.5b-shapes", dest="qwen05b", action="store_true",
-                   help="Qwen2.5-0.5B's sizes (494M parameters) instead of the flags above")  # fmt: skip
+    p.add_argument(
+        "--qwen2.5-0.5b-shapes",
+        dest="qwen05b",
+        action="store_true",
+        help="Qwen2.5-0.5B's sizes (494M parameters) instead of the flags above",
+    )
     a = p.parse_args(argv)
-    sizes = dict(hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
-                 num_kv_heads=a.kv_heads, intermediate_size=a.intermediate_size)  # fmt: skip
+    sizes = dict(
+        hidden_size=a.hidden_size,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        intermediate_size=a.intermediate_size,
+    )
     if a.qwen05b:
         sizes = dict(QWEN25_05B, tie_word_embeddings=True)
     build_tiny_model(a.out_dir, seed=a.seed, **sizes)
