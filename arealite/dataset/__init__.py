@@ -52,14 +52,22 @@ def user_rows(path, split, type, tokenizer, name, data_files, columns, template)
     source = f"dataset {path!r} split {split!r}"
     if type == "rl":
         fn = rl_row
-        kw = {"template": template, "source": source, "id_prefix": _id_prefix(path, split),
-              "aliases": columns}  # fmt: skip
+        kw = {
+            "template": template,
+            "source": source,
+            "id_prefix": _id_prefix(path, split),
+            "aliases": columns,
+        }
     else:
         fn, kw = sft_row_from, {"tokenizer": tokenizer, "template": template, "source": source}
     return raw.map(
-        fn, with_indices=True, fn_kwargs=kw, remove_columns=raw.column_names,
-        keep_in_memory=True, load_from_cache_file=False,
-    )  # fmt: skip
+        fn,
+        with_indices=True,
+        fn_kwargs=kw,
+        remove_columns=raw.column_names,
+        keep_in_memory=True,
+        load_from_cache_file=False,
+    )
 
 
 def check_user_dataset(cfg: Any, type: str) -> None:
