@@ -151,7 +151,7 @@ class RLVRWorkflow(RolloutWorkflow):
                         completion_ids=r.output_tokens,
                         **row,
                     ),
-                )  # fmt: skip
+                )
                 for c, r in zip(completions, resps)
             ]
         )
