@@ -127,8 +127,12 @@ class ContractReward:
         except Exception:
             if self.spec not in _TRACEBACK_LOGGED:
                 _TRACEBACK_LOGGED.add(self.spec)
-                print(f"reward {self.spec!r} raised (first traceback in this process):\n"
-                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"reward {self.spec!r} raised (first traceback in this process):\n"
+                    f"{traceback.format_exc()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
 
 
