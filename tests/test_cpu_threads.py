@@ -6,7 +6,7 @@ import pytest
 
 from arealite.api.cli_args import GRPOConfig
 from arealite.api.config_loader import load_expr_config
-from arealite.launcher.local import cpu_thread_env, trainer_env
+from arealite.launcher.environment import cpu_thread_env, trainer_env
 
 
 def config(tmp_path, allocation: str, policy: str | None = None) -> GRPOConfig:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
-from arealite.launcher.preflight import plan_cluster
+from arealite.launcher.placement import plan_cluster
 from arealite.launcher.slurm_node import node_address
 from arealite.launcher.slurm_scripts import servers_script, trainer_script
 

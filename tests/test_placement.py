@@ -12,9 +12,16 @@ import pytest
 
 from arealite.api.cli_args import ConfigError, GRPOConfig
 from arealite.api.config_loader import load_expr_config
-from arealite.launcher.local import trainer_env
-from arealite.launcher.placement import GpuPlan, plan_gpus, plan_local, visible_devices
-from arealite.launcher.preflight import check_resources, check_weight_update, plan_cluster
+from arealite.launcher.environment import trainer_env
+from arealite.launcher.placement import (
+    GpuPlan,
+    check_resources,
+    plan_cluster,
+    plan_gpus,
+    plan_local,
+    visible_devices,
+)
+from arealite.launcher.preflight import check_weight_update
 from arealite.launcher.servers import plan_servers
 
 

@@ -10,7 +10,8 @@ import pytest
 from arealite.api.cli_args import GRPOConfig
 from arealite.api.config_loader import load_expr_config
 from arealite.api.weight_update import choose_weight_update, resolve_weight_update
-from arealite.launcher.preflight import check_resources, check_weight_update, load_and_check
+from arealite.launcher.placement import check_resources
+from arealite.launcher.preflight import check_weight_update, load_and_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
@@ -231,33 +230,6 @@ def check_preferences(config: RMConfig) -> None:
             raise ConfigError(f"{key}: {e}") from None
 
 
-def check_resources(config, n_gpus_available: int | None = None) -> None:
-    """The allocation fits the cluster described in `cluster.*`."""
-    alloc = config.allocation
-    n_gpus = config.cluster.n_gpus_per_node * config.cluster.n_nodes
-    share = config.cluster.share_gpus
-    if share and getattr(config, "weight_update", "disk") == "distributed":
-        raise ConfigError(
-            "cluster.share_gpus=true needs weight_update=tensor (or disk): the NCCL weight-update "
-            "group would put the trainer's rank 0 and a server on one device, which NCCL refuses"
-        )
-    if n_gpus:
-        need = alloc.gen_world_size + alloc.train_world_size
-        if share:
-            need = max(alloc.gen_world_size, alloc.train_world_size)
-        if need > n_gpus:
-            raise ConfigError(
-                f"allocation_mode={config.allocation_mode!r} needs {need} GPUs "
-                f"({alloc.gen_world_size} for inference + {alloc.train_world_size} for training) "
-                f"but cluster has {config.cluster.n_nodes} x {config.cluster.n_gpus_per_node} = {n_gpus}"
-            )
-        if n_gpus_available is not None and config.cluster.n_gpus_per_node > n_gpus_available:
-            raise ConfigError(
-                f"cluster.n_gpus_per_node={config.cluster.n_gpus_per_node} but this node has "
-                f"{n_gpus_available} GPU(s)"
-            )
-
-
 # Typical |weight| of a trained LLM's linear layers; bf16 keeps 8 significant bits, so an
 # update below half a unit in the last place (|w| * 2**-8) rounds back to the old weight.
 TYPICAL_WEIGHT = 0.02
@@ -338,70 +310,3 @@ def resolve_weight_update_arg(config, script_args: list[str]) -> list[str]:
     if getattr(config, "weight_update", None) != AUTO:
         return script_args
     return [*script_args, f"weight_update={resolve_weight_update(config)}"]
-
-
-@dataclass
-class ClusterPlan:
-    """Where a cluster launcher (Ray, Slurm) puts inference servers and trainer ranks.
-
-    GPU clusters: a server's tensor-parallel group stays on one node; trainer ranks fill whole
-    nodes (torchrun needs the same number of ranks on every node); servers and trainers get
-    separate nodes unless everything fits on one. CPU-only runs put the trainer on one node and
-    the servers on one node (possibly the same)."""
-
-    gpu: bool
-    gen_nodes: int
-    servers_per_node: int
-    train_nodes: int
-    ranks_per_node: int
-    cpus_per_server: int
-    cpus_per_train_node: int
-    nodes_needed: int
-
-
-def plan_cluster(config) -> ClusterPlan:
-    """Lay the allocation out on `cluster.n_nodes` x `cluster.n_gpus_per_node`, or fail naming
-    the allocation, the cluster and what does not fit (before anything is submitted)."""
-    alloc, cl = config.allocation, config.cluster
-    gpn, W, n_servers = cl.n_gpus_per_node, alloc.train_world_size, alloc.gen_n_servers
-    tp = alloc.gen.tensor_parallel_size if alloc.gen else 1
-    where = (
-        f"allocation_mode={config.allocation_mode!r} on cluster {cl.n_nodes} node(s) x {gpn} GPU(s)"
-    )
-    if not gpn:
-        cpus_train = max(1, (cl.n_cpus_per_node or 0) - n_servers) if cl.n_cpus_per_node else 1
-        gen_nodes = 1 if n_servers else 0
-        return ClusterPlan(False, gen_nodes, n_servers, 1, W, 1, cpus_train, 1)
-    if cl.share_gpus:
-        raise ConfigError(f"{where}: cluster.share_gpus is for the local launcher only")
-    check_resources(config)
-    if tp > gpn:
-        raise ConfigError(
-            f"{where}: a server's tensor-parallel group (t{tp}) must fit on one node of {gpn} GPU(s)"
-        )
-    if W > gpn and W % gpn:
-        raise ConfigError(
-            f"{where}: {W} trainer ranks do not fill whole nodes of {gpn} GPU(s); use a multiple "
-            f"of {gpn} (torchrun runs the same number of ranks on every node)"
-        )
-    cpus_per_gpu = max(1, (cl.n_cpus_per_node or gpn) // gpn)
-    train_nodes, ranks_per_node = (1, W) if W <= gpn else (W // gpn, gpn)
-    servers_per_node = gpn // tp
-    gen_nodes = -(-n_servers // servers_per_node) if n_servers else 0
-    fits_one = alloc.gen_world_size + W <= gpn
-    needed = 1 if fits_one else gen_nodes + train_nodes
-    if needed > cl.n_nodes:
-        raise ConfigError(
-            f"{where}: needs {gen_nodes} node(s) for {n_servers} server(s) of {tp} GPU(s) + "
-            f"{train_nodes} node(s) for {W} trainer rank(s) = {needed} > cluster.n_nodes={cl.n_nodes}"
-        )
-    return ClusterPlan(
-        True,
-        gen_nodes,
-        servers_per_node,
-        train_nodes,
-        ranks_per_node,
-        tp * cpus_per_gpu,
-        ranks_per_node * cpus_per_gpu,
-        needed,
-    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,18 @@ logger = logging.getLogger("arealite.launcher")
 
 class LaunchError(RuntimeError):
     """A process of the run failed; the message names it and shows its log tail."""
+
+
+def failed_ranks_summary(log_path: str) -> str:
+    """'rank 1 exited with code 3' from torchrun's failure report, when it printed one."""
+    try:
+        text = open(log_path, errors="replace").read()
+    except OSError:
+        return "failing rank unknown"
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", text)
+    if not found:
+        return "failing rank unknown"
+    return ", ".join(f"rank {r} exited with code {c}" for r, c in dict(found).items())
 
 
 def log_tail(path: str, n_lines: int = 30) -> str:

@@ -25,8 +25,9 @@ import time
 
 from arealite.api.cli_args import ConfigError, to_yaml
 from arealite.launcher import process
-from arealite.launcher.local import trainer_env
-from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
+from arealite.launcher.environment import trainer_env
+from arealite.launcher.placement import ClusterPlan, plan_cluster
+from arealite.launcher.preflight import load_and_check
 from arealite.launcher.servers import (
     needs_servers,
     server_command,

@@ -30,11 +30,12 @@ import sys
 import time
 
 from arealite.api.cli_args import to_yaml
-from arealite.launcher.local import failed_ranks_summary
-from arealite.launcher.preflight import ClusterPlan, load_and_check, plan_cluster
+from arealite.launcher.placement import ClusterPlan, plan_cluster
+from arealite.launcher.preflight import load_and_check
 from arealite.launcher.process import (
     LaunchError,
     LogFollower,
+    failed_ranks_summary,
     install_signal_handlers,
     log_tail,
     run_launcher,

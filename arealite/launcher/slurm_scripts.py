@@ -13,8 +13,8 @@ import os
 import shlex
 import sys
 
-from arealite.launcher.local import trainer_env
-from arealite.launcher.preflight import ClusterPlan
+from arealite.launcher.environment import trainer_env
+from arealite.launcher.placement import ClusterPlan
 from arealite.launcher.servers import server_command, weight_roots
 from arealite.utils.name_resolve import server_key
 
