@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from _torchrun_fsdp import engine_config, full_weights, make_batch
-from _torchrun_tp import N_SEQS, critic_step, ppo_batch, ppo_config
+from _torchrun_tp import N_SEQS, critic_step, ppo_batch, ppo_config, weight_updates
 from transformers import AutoModelForCausalLM
 
 from arealite.api.cli_args import SFTConfig
@@ -75,6 +75,8 @@ def d1t1(tiny_model_dir, tmp_path_factory):
     try:
         out["ppo"] = actor.ppo_update(ppo_batch())
         out["ppo_weights"] = full_weights(actor)
+        disk = str(tmp_path_factory.mktemp("t1_update"))
+        out["update"] = weight_updates(actor, 0, disk, broadcast=False)
     finally:
         actor.destroy()
     return out
@@ -117,6 +119,21 @@ def test_checkpoint_moves_between_meshes_and_exports_full_weights(meshes, d1t1):
         loaded = AutoModelForCausalLM.from_pretrained(meshes["tmp"] / f"hf{n}").state_dict()
         want = d1t1["ppo_weights"]
         assert max((loaded[k] - want[k]).abs().max().item() for k in want) < TOL
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mesh", ["d1t2", "d2t2"])
+def test_weight_update_reaches_the_server_as_at_t1(meshes, d1t1, mesh):
+    """After the same PPO step, every update path hands the servers d1t1's weights: the HF
+    checkpoint the disk update writes, the buckets (whole, alike on every rank), the tensor
+    handles as the server opens them, and what a gloo broadcast delivers to the server's
+    receiving code (several buckets each)."""
+    got, want = meshes[mesh]["update"], d1t1["update"]
+    assert got["buckets_agree"] and want["buckets_agree"]
+    assert max_weight_diff(got["disk"], want["disk"]) < TOL
+    for path in ("buckets", "tensor", "distributed"):
+        assert max_weight_diff(got[path], want["buckets"]) < TOL, path
+    assert max_weight_diff(want["tensor"], want["buckets"]) == 0
 
 
 def test_allocation_mode_sets_the_tensor_group(tiny_model_dir, tmp_path):
