@@ -10,7 +10,7 @@ import time
 import pytest
 
 from arealite.api.cli_args import ConfigError, NameResolveConfig
-from arealite.utils import name_resolve as nr
+from arealite.launcher import name_resolve as nr
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_bad_keys_and_values_are_named(repo):
 def test_concurrent_adders_exactly_one_wins(tmp_path):
     root = str(tmp_path / "nr")
     code = (
-        "import sys; from arealite.utils.name_resolve import *\n"
+        "import sys; from arealite.launcher.name_resolve import *\n"
         "r = FileNameResolveRepository(sys.argv[1])\n"
         "try:\n    r.add('t/lock', sys.argv[2]); print('won')\n"
         "except NameEntryExistsError:\n    print('lost')\n"
@@ -126,7 +126,7 @@ def test_other_process_entries_delete_on_exit_and_expire_after_kill(tmp_path):
     root = str(tmp_path / "nr")
     repo = nr.FileNameResolveRepository(root)
     code = (
-        "import sys, time; from arealite.utils.name_resolve import *\n"
+        "import sys, time; from arealite.launcher.name_resolve import *\n"
         "r = FileNameResolveRepository(sys.argv[1])\n"
         "r.add('t/on_exit', 'a', delete_on_exit=True)\n"
         "r.add('t/ttl', 'b', keepalive_ttl=0.6)\n"
@@ -153,7 +153,7 @@ def test_ray_entries_are_shared_across_processes(ray_address):
     repo = nr.RayNameResolveRepository()
     repo.clear_subtree("x")
     code = (
-        "import sys; from arealite.utils.name_resolve import RayNameResolveRepository as R\n"
+        "import sys; from arealite.launcher.name_resolve import RayNameResolveRepository as R\n"
         "r = R(address=sys.argv[1]); r.add('x/from_child', 'hello')\n"
         "print(r.get('x/from_parent'))\n"
     )

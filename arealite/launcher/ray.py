@@ -26,6 +26,7 @@ import time
 from arealite.api.cli_args import ConfigError, to_yaml
 from arealite.launcher import process
 from arealite.launcher.environment import trainer_env
+from arealite.launcher.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.launcher.placement import ClusterPlan, plan_cluster
 from arealite.launcher.preflight import load_and_check
 from arealite.launcher.servers import (
@@ -36,7 +37,6 @@ from arealite.launcher.servers import (
     weight_roots,
 )
 from arealite.utils.lifeline import die_with_parent
-from arealite.utils.name_resolve import make_repository, server_key, servers_root, trial_root
 from arealite.utils.network import find_free_port
 
 logger = logging.getLogger("arealite.launcher")

@@ -30,6 +30,7 @@ import sys
 import time
 
 from arealite.api.cli_args import to_yaml
+from arealite.launcher.name_resolve import make_repository, servers_root, trial_root
 from arealite.launcher.placement import ClusterPlan, plan_cluster
 from arealite.launcher.preflight import load_and_check
 from arealite.launcher.process import (
@@ -44,7 +45,6 @@ from arealite.launcher.servers import needs_servers, share_server_api_key
 from arealite.launcher.slurm_node import register_and_run
 from arealite.launcher.slurm_scripts import servers_script, trainer_script
 from arealite.utils.lifeline import LAUNCHER_HEARTBEAT_ENV, HeartbeatWriter
-from arealite.utils.name_resolve import make_repository, servers_root, trial_root
 
 logger = logging.getLogger("arealite.launcher")
 

@@ -14,9 +14,9 @@ import shlex
 import sys
 
 from arealite.launcher.environment import trainer_env
+from arealite.launcher.name_resolve import server_key
 from arealite.launcher.placement import ClusterPlan
 from arealite.launcher.servers import server_command, weight_roots
-from arealite.utils.name_resolve import server_key
 
 __all__ = ["HOST", "PORT", "servers_script", "trainer_script"]
 

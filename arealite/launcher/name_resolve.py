@@ -27,13 +27,13 @@ import shutil
 import time
 import uuid
 
-from arealite.utils.name_resolve_base import (
+from arealite.launcher.name_resolve_base import (
     NameEntryExistsError,
     NameEntryNotFoundError,
     NameResolveRepository,
     check_key,
 )
-from arealite.utils.name_resolve_ray import RayNameResolveRepository
+from arealite.launcher.name_resolve_ray import RayNameResolveRepository
 
 __all__ = [
     "NameEntryExistsError",

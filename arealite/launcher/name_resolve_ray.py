@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from arealite.utils.name_resolve_base import NameResolveRepository, _under
+from arealite.launcher.name_resolve_base import NameResolveRepository, _under
 
 __all__ = ["RayNameResolveRepository"]
 
