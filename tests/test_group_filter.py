@@ -21,7 +21,9 @@ def test_a_group_is_informative_when_its_rewards_differ():
 
 def test_the_cap_bounds_drops_per_step_then_counters_rearm():
     f = InformativeGroupFilter(batch_size=4, max_oversample=1.5)  # at most 2 drops per step
-    decisions = [f(group(1.0, 1.0)) for _ in range(4)] + [f(group(0.0, 1.0))]
+    row = {"question": "1+1="}
+    decisions = [f.should_accept(row, group(1.0, 1.0)) for _ in range(4)]
+    decisions.append(f.should_accept(row, group(0.0, 1.0)))
     assert decisions == [False, False, True, True, True]
     assert f.take_stats() == {
         "rollout/groups_generated": 5,
@@ -29,14 +31,14 @@ def test_the_cap_bounds_drops_per_step_then_counters_rearm():
         "rollout/groups_accepted_uninformative": 2,
         "rollout/groups_all_solved": 4,
     }
-    assert f(group(1.0, 1.0)) is False  # a new step may drop again
+    assert f.should_accept(row, group(1.0, 1.0)) is False  # a new step may drop again
     assert f.take_stats()["rollout/groups_dropped"] == 1
 
 
 def test_equal_reward_groups_are_told_apart_as_all_solved_or_all_failed():
     f = InformativeGroupFilter(batch_size=4, max_oversample=3.0)
     for rewards in [(0.0, 1.0), (1.0, 1.0), (0.0, 0.0), (0.0, 0.0), (1.0, 1.0)]:
-        f(group(*rewards))
+        f.should_accept({"question": "1+1="}, group(*rewards))
     stats = f.take_stats()
     assert stats["rollout/groups_generated"] - stats["rollout/groups_dropped"] == 1
     assert stats["rollout/groups_all_solved"] == 2  # the all-zero groups failed: best reward is 1

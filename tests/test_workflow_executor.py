@@ -255,6 +255,19 @@ def test_prompts_whose_groups_keep_being_solved_are_skipped_before_generation(en
     assert executor.feed.pending() == s["queued"] + s["ready"]
 
 
+class AcceptFrom:
+    """A GroupFilter: every item starts; groups of items from `first` on are accepted."""
+
+    def __init__(self, first: int):
+        self.first = first
+
+    def should_start(self, data) -> bool:
+        return True
+
+    def should_accept(self, data, group) -> bool:
+        return bool(group["item"][0] >= self.first)
+
+
 def test_refused_groups_are_replaced_at_once_not_on_the_next_poll(engine_factory, monkeypatch):
     """Each refusal starts a queued item, and prepare_batch tops the queue up as soon as it
     runs low: with the poll interval made 2 minutes, a batch behind 12 refused items (6 top-
@@ -266,9 +279,7 @@ def test_refused_groups_are_replaced_at_once_not_on_the_next_poll(engine_factory
     loader = DataLoader([{"id": i} for i in range(40)], batch_size=2, collate_fn=lambda x: x)
     out = []
     worker = threading.Thread(
-        target=lambda: out.append(
-            executor.prepare_batch(loader, OneGeneration(), lambda td: td["item"][0] >= 12)
-        ),
+        target=lambda: out.append(executor.prepare_batch(loader, OneGeneration(), AcceptFrom(12))),
         daemon=True,
     )
     worker.start()

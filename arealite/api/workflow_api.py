@@ -7,7 +7,7 @@ runs many of them in the background under the staleness bound.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -45,11 +45,9 @@ class RolloutError(RuntimeError):
         self.__cause__ = cause
 
 
-@runtime_checkable
 class GroupFilter(Protocol):
-    """A `should_accept` that also sees the data item, and may skip an item before it is
-    generated (e.g. a prompt its recent groups all solved): what
-    `WorkflowExecutor.prepare_batch` accepts beside a plain `(group) -> bool`."""
+    """`WorkflowExecutor.prepare_batch`'s `group_filter`: which data items start (e.g. not a
+    prompt its recent groups all solved) and which finished groups go to the trainer."""
 
     def should_start(self, data: Any) -> bool:
         """False: skip `data` (no episode; the executor pulls another item in its place)."""

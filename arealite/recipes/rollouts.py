@@ -81,7 +81,7 @@ class ServerRollouts:
     def _rollout(self):
         if not self.sync:
             return self.executor.prepare_batch(
-                self.loader, self.workflow, self.group_filter, return_data=True
+                self.loader, self.workflow, group_filter=self.group_filter, return_data=True
             )
         if self.data_iter is None:
             self.data_iter = iter(self.loader)

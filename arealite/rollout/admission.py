@@ -23,7 +23,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from arealite.api.workflow_api import RolloutError
-from arealite.rollout.episodes import Episode, Group, RolloutStat
+from arealite.rollout.episodes import BatchCall, Episode, RolloutStat
 from arealite.rollout.replay import DataloaderFeed
 from arealite.rollout.staleness import StalenessController
 
@@ -133,19 +133,19 @@ class Admission:
                     )
                 self._cond.wait(min(remaining, POLL_S))
 
-    def wait_group(self, group: Group) -> bool:
-        """Whether every episode of `group` has finished, waiting up to POLL_S seconds (or
-        the next outcome) for it; raises the group's first failure."""
+    def wait_batch_call(self, call: BatchCall) -> bool:
+        """Whether every episode of `call` has finished, waiting up to POLL_S seconds (or the
+        next outcome) for it; raises the call's first failure."""
         with self._cond:
-            if not self._group_done(group):
+            if not self._call_done(call):
                 self._raise_if_closed()
                 self._cond.wait(POLL_S)
-            return self._group_done(group)
+            return self._call_done(call)
 
-    def _group_done(self, group: Group) -> bool:
-        if group.error is not None:
-            raise group.error
-        return group.done == len(group.results)
+    def _call_done(self, call: BatchCall) -> bool:
+        if call.error is not None:
+            raise call.error
+        return call.done == len(call.results)
 
     def close(self, reason: str, cause: BaseException | None = None) -> None:
         """Nothing more will finish (the loop stopped or crashed): wake the waiters, which
@@ -227,16 +227,16 @@ class Admission:
             elif result is None:
                 self._stat.rejected += 1
                 self._update_accept_rate(0.0)
-                self._finish_in_group(ep)
-            elif ep.group is None and not self._within_bound(ep):
+                self._finish_in_call(ep)
+            elif ep.batch_call is None and not self._within_bound(ep):
                 self._stat.surplus += 1
-                self._finish_in_group(ep)
+                self._finish_in_call(ep)
             else:
                 self._update_accept_rate(1.0)
                 self._stat.accepted += 1
-                if ep.group is not None:
-                    ep.group.results[ep.index] = result
-                    ep.group.done += 1
+                if ep.batch_call is not None:
+                    ep.batch_call.results[ep.index] = result
+                    ep.batch_call.done += 1
                 else:
                     self._results.append((result, ep))
             self._cond.notify_all()
@@ -247,16 +247,16 @@ class Admission:
     def _update_accept_rate(self, accepted: float) -> None:
         self._accept_rate += ACCEPT_RATE_EMA * (accepted - self._accept_rate)
 
-    def _finish_in_group(self, ep: Episode) -> None:
+    def _finish_in_call(self, ep: Episode) -> None:
         """A rejected or failed episode needs no replay; count it done."""
         self.feed.mark_done(ep.cursor)
-        if ep.group is not None:
-            ep.group.done += 1
+        if ep.batch_call is not None:
+            ep.batch_call.done += 1
 
     def _record_error(self, ep: Episode, err: RolloutError) -> None:
         logger.error("%s", err, exc_info=err.__cause__)
-        self._finish_in_group(ep)
-        if ep.group is not None:
-            ep.group.error = ep.group.error or err
+        self._finish_in_call(ep)
+        if ep.batch_call is not None:
+            ep.batch_call.error = ep.batch_call.error or err
         else:
             self._errors.append(err)

@@ -30,7 +30,7 @@ class RolloutStat:
     surplus: int = 0  # accepted past the staleness bound (over-provisioning), dropped
 
 
-class Group:
+class BatchCall:
     """The episodes of one `rollout_batch` call: results come back to it, in input order."""
 
     def __init__(self, n: int):
@@ -44,8 +44,8 @@ class Episode:
     data: Any
     workflow: RolloutWorkflow
     should_accept: Callable[[TensorDict], bool] | None
-    group: Group | None = None
-    index: int = 0
+    batch_call: BatchCall | None = None  # a rollout_batch call's: kept in its input order
+    index: int = 0  # its place in that call
     cursor: Cursor | None = None  # where prepare_batch pulled it from
     start_version: int = 0  # policy version when it started (its staleness counts from here)
 

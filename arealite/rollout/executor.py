@@ -27,7 +27,7 @@ from tensordict import TensorDict
 from arealite.api.workflow_api import GroupFilter, RolloutWorkflow
 from arealite.rollout.admission import Admission
 from arealite.rollout.episode_loop import EpisodeLoop
-from arealite.rollout.episodes import Episode, Group
+from arealite.rollout.episodes import BatchCall, Episode
 from arealite.rollout.replay import DataloaderFeed
 from arealite.rollout.staleness import StalenessController
 from arealite.utils.data import concat_padded_tensors
@@ -156,9 +156,10 @@ class WorkflowExecutor:
         order (and their items with `return_data`). Rejected episodes are left out; the first
         failure raises RolloutError."""
         items = list(data)
-        group = Group(len(items))
+        call = BatchCall(len(items))
         pending = deque(
-            Episode(d, workflow, should_accept, group=group, index=i) for i, d in enumerate(items)
+            Episode(d, workflow, should_accept, batch_call=call, index=i)
+            for i, d in enumerate(items)
         )
         while True:
             while pending:
@@ -167,24 +168,25 @@ class WorkflowExecutor:
                 except queue.Full:
                     break
                 pending.popleft()
-            if self.admission.wait_group(group):
+            if self.admission.wait_batch_call(call):
                 break
-        batch = concat_padded_tensors([r for r in group.results if r is not None])
-        kept = [d for d, r in zip(items, group.results) if r is not None]
+        batch = concat_padded_tensors([r for r in call.results if r is not None])
+        kept = [d for d, r in zip(items, call.results) if r is not None]
         return (batch, kept) if return_data else batch
 
     def prepare_batch(
         self,
         dataloader: Any,
         workflow: RolloutWorkflow,
-        should_accept: Callable[[TensorDict], bool] | GroupFilter | None = None,
+        group_filter: GroupFilter | None = None,
         return_data: bool = False,
     ) -> TensorDict | tuple[TensorDict, list[Any]]:
         """Asynchronous rollout: keep at least one dataloader batch queued ahead of the running
         episodes (so generation never waits for the trainer), and return the next
         `dataloader.batch_size` accepted episodes (and their items with `return_data`),
-        restarting the dataloader at epoch end. A `GroupFilter` also sees each item, and the
-        items it skips never start (done for recovery, replaced by the next ones)."""
+        restarting the dataloader at epoch end. `group_filter` decides which items start
+        (those it skips are done for recovery and replaced by the next ones) and which
+        finished groups are accepted."""
         batch_size = getattr(dataloader, "batch_size", None)
         if not batch_size:
             raise ValueError("prepare_batch needs a dataloader with a batch_size")
@@ -193,15 +195,15 @@ class WorkflowExecutor:
                 f"rollout.queue_size={self.queue_size} must hold two dataloader batches "
                 f"(2 x {batch_size})"
             )
-        group_filter = should_accept if isinstance(should_accept, GroupFilter) else None
         while True:
             while self.admission.queued() < batch_size:  # (a replayed batch may be all done)
                 for cursor, item in self.feed.next_batch(dataloader):
                     if group_filter is not None and not group_filter.should_start(item):
                         self.feed.mark_done(cursor)
                         continue
-                    accept = should_accept if group_filter is None else (
-                        functools.partial(group_filter.should_accept, item))  # fmt: skip
+                    accept = None
+                    if group_filter is not None:
+                        accept = functools.partial(group_filter.should_accept, item)
                     self._submit(Episode(item, workflow, accept, cursor=cursor))
             out = self._await_results(batch_size, timeout=None, refill_below=batch_size)
             if out is not None:

@@ -3,9 +3,8 @@ trainer.
 
 Under group-normalised advantages (GRPO, Dr. GRPO, DAPO) such a group has zero advantage on every
 token, so training on it costs a forward and a backward for no gradient, and zeroing its loss
-mask (the old `actor.dynamic_sampling`) shrinks the batch instead of refilling it. Used as the
-executor's `should_accept`, a refused group frees its slot and `prepare_batch` starts another
-data item in its place; staleness stays exact because only accepted episodes count against the
+mask alone would shrink the batch instead of refilling it. As `prepare_batch`'s `group_filter`,
+a refused group frees its slot and `prepare_batch` starts another data item in its place; staleness stays exact because only accepted episodes count against the
 bound (docs/design.md, "Asynchrony and staleness"). Over-sampling is bounded: after
 `max_dropped` refusals since the last batch the filter accepts what comes (the actor zeroes
 those groups' loss mask and leaves them out of its forward and backward), so a task the policy
@@ -81,9 +80,9 @@ class PromptHistory:
 
 
 class InformativeGroupFilter:
-    """The executor's `GroupFilter` (or, called on a group alone, a plain `should_accept`):
-    groups are judged on the executor's loop thread, items skipped on the trainer's, and the
-    trainer reads the counters through `take_stats` once per step."""
+    """The executor's `GroupFilter`: groups are judged on the executor's loop thread, items
+    skipped on the trainer's, and the trainer reads the counters through `take_stats` once per
+    step."""
 
     def __init__(
         self, batch_size: int, max_oversample: float, skip_max_prob: float = 0.0, seed: int = 0
@@ -111,9 +110,6 @@ class InformativeGroupFilter:
             with self._lock:
                 self.history.record(prompt_key(data), solved)
         return self._decide(informative, solved)
-
-    def __call__(self, group: TensorDict) -> bool:
-        return self._decide(*self._judge(group))
 
     def _judge(self, group: TensorDict) -> tuple[bool, bool]:
         """(informative, solved): solved = every sample at the best reward seen so far."""
