@@ -43,7 +43,7 @@ def tool_conversation(call_id: str = "call_1") -> list[list[dict]]:
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
-    from arealite.utils.openai_chat import normalize_message
+    from arealite.openai_wire.request import normalize_message
 
     return [normalize_message(m, i) for i, m in enumerate(messages)]
 

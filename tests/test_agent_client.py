@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from arealite.agent import AgentWorkflow, Interaction, InteractionTree, TrainingOpenAIClient
 from arealite.api.cli_args import InferenceEngineConfig
 from arealite.api.io_struct import GenerationHyperparameters
-from arealite.utils.openai_chat import ChatRequestError
+from arealite.openai_wire.request import ChatRequestError
 
 openai = pytest.importorskip("openai")
 

@@ -27,12 +27,13 @@ ALLOWED: dict[str, set[str]] = {
     "inference": BASE,
     "rollout": BASE,
     "trainer": BASE,
-    "server": BASE,
+    "openai_wire": BASE,  # the OpenAI chat-completions format, for server and agent
+    "server": BASE | {"openai_wire"},
     "dataset": BASE,  # the user's data as canonical rows, and the row building blocks
     "tasks": BASE | {"dataset"},  # built-in tasks: loader + reward + options, one registry
     "reward": BASE | {"tasks"},  # spec -> callable (built-ins by short name), worker pool
     "workflow": BASE | {"reward"},
-    "agent": BASE | {"workflow", "rollout", "reward"},
+    "agent": BASE | {"openai_wire", "workflow", "rollout", "reward"},
     "launcher": BASE | {"tasks", "reward"},  # preflight opens the data, calls the rewards
     "testing": BASE,  # imported by tests, benchmarks and examples only
 }

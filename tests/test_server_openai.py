@@ -11,9 +11,14 @@ import json
 import pytest
 import requests
 
+from arealite.openai_wire.request import ChatRequestError, parse_chat_request
+from arealite.openai_wire.tool_calls import (
+    HERMES,
+    ToolParserError,
+    parse_tool_calls,
+    parser_for_template,
+)
 from arealite.server.process import launch_server
-from arealite.utils.openai_chat import ChatRequestError, parse_chat_request
-from arealite.utils.tool_calls import HERMES, ToolParserError, parse_tool_calls, parser_for_template
 
 openai = pytest.importorskip("openai")
 

@@ -1,5 +1,6 @@
 """Agents through the OpenAI API: train an agent written against the `openai` SDK.
-Imports arealite.api, arealite.utils, arealite.workflow and arealite.rollout.
+Imports arealite.api, arealite.utils, arealite.openai_wire, arealite.workflow, arealite.rollout
+and arealite.reward.
 
 - `TrainingOpenAIClient`: `AsyncOpenAI`-shaped, backed by an InferenceEngine, records tokens,
   logprobs and versions per completion; rewards with discount along the conversation tree.

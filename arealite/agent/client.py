@@ -20,7 +20,7 @@ from typing import Any
 
 from arealite.agent.interactions import ExportStyle, Interaction, InteractionTree
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
-from arealite.utils.openai_chat import (
+from arealite.openai_wire.request import (
     ChatRequest,
     ChatRequestError,
     encode_text,
@@ -29,7 +29,7 @@ from arealite.utils.openai_chat import (
     render_prompt,
     tool_parser_for,
 )
-from arealite.utils.openai_chat_response import build_choice, completion_body, completion_chunks
+from arealite.openai_wire.response import build_choice, completion_body, completion_chunks
 
 # openai-python call options that are not part of the request body.
 _CALL_OPTIONS = ("extra_headers", "extra_query", "timeout")

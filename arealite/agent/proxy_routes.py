@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from arealite.utils.openai_chat import ChatRequestError
-from arealite.utils.openai_chat_response import error_body, sse_event
+from arealite.openai_wire.request import ChatRequestError
+from arealite.openai_wire.response import error_body, sse_event
 
 logger = logging.getLogger("arealite.agent")
 

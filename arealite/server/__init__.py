@@ -1,5 +1,5 @@
 """Embedded inference server speaking SGLang's native HTTP subset (docs/design.md, wire protocol).
-Imports arealite.api and arealite.utils only.
+Imports arealite.api, arealite.utils and arealite.openai_wire (the `/v1` chat format) only.
 
 Run it with ``python -m arealite.server --model-path P --port N``; from Python (tests,
 launchers) use ``launch_server(model_path) -> ServerProcess``. Importing this package does not

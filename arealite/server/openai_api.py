@@ -17,10 +17,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from arealite.server.model_runner import ModelRunner, Sequence
-from arealite.server.protocol import BadRequest, GenerateRequest, SamplingParams, decode_json_body
-from arealite.server.scheduler import Scheduler
-from arealite.utils.openai_chat import (
+from arealite.openai_wire.request import (
     ChatRequest,
     ChatRequestError,
     encode_text,
@@ -28,7 +25,7 @@ from arealite.utils.openai_chat import (
     render_prompt,
     tool_parser_for,
 )
-from arealite.utils.openai_chat_response import (
+from arealite.openai_wire.response import (
     build_choice,
     chunk_body,
     completion_body,
@@ -38,6 +35,9 @@ from arealite.utils.openai_chat_response import (
     error_body,
     sse_event,
 )
+from arealite.server.model_runner import ModelRunner, Sequence
+from arealite.server.protocol import BadRequest, GenerateRequest, SamplingParams, decode_json_body
+from arealite.server.scheduler import Scheduler
 
 logger = logging.getLogger("arealite.server")
 

@@ -1,6 +1,6 @@
 """The OpenAI chat-completions wire format, shared by the embedded server's `/v1` endpoint and
 the training client (arealite/agent): request validation and prompt rendering through the
-model's own chat template. The response / stream-chunk bodies are in `openai_chat_response.py`.
+model's own chat template. The response / stream-chunk bodies are in `response.py`.
 
 Everything here works on plain dicts (no `openai` import), so the server does not need the SDK.
 Every malformed request raises `ChatRequestError` naming the offending field (`param`).
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from arealite.utils.tool_calls import ToolParserError, parser_for_template
+from arealite.openai_wire.tool_calls import ToolParserError, parser_for_template
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit

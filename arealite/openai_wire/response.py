@@ -1,6 +1,6 @@
 """The OpenAI chat-completions response side: cutting a generation at its stop strings, the
 `choice` (content or tool calls, logprobs), the completion body, the stream chunks and their
-server-sent events, and error bodies. The request side is `openai_chat.py`.
+server-sent events, and error bodies. The request side is `request.py`.
 
 Everything here works on plain dicts (no `openai` import), so the server does not need the SDK.
 """
@@ -11,8 +11,8 @@ import json
 import time
 from typing import Any
 
-from arealite.utils.openai_chat import ChatRequest
-from arealite.utils.tool_calls import parse_tool_calls
+from arealite.openai_wire.request import ChatRequest
+from arealite.openai_wire.tool_calls import parse_tool_calls
 
 
 def cut_at_stop(tokenizer: Any, ids: list[int], stops: list[str], skip_special: bool = True):
