@@ -1,4 +1,4 @@
-"""A broken reward, through the real launcher (issue 23): preflight calls each reward once on row
+"""A broken reward, through the real launcher: preflight calls each reward once on row
 0 and refuses a TypeError, an import error or a non-float before anything starts; a reward that
 passes preflight but fails on real samples stops the run in its first step; a run whose groups
 all score alike says so once; the user's own column names reach the reward."""

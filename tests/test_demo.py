@@ -1,4 +1,4 @@
-"""`make demo` end to end, shortened (issue 42): examples/run_arith_demo.sh through the local
+"""`make demo` end to end, shortened: examples/run_arith_demo.sh through the local
 launcher (SFT, then GRPO with the embedded server and a reward pool), a few steps each. A normal
 run must exit 0 and print no traceback and no "Exception ignored" block anywhere: a user reads
 one at the end of a run as "it crashed"."""

@@ -118,7 +118,8 @@ def import_dependencies(name: str, path: str, modules: dict[str, str]) -> set[st
     """The modules importing `name` runs: what it imports, the package `__init__.py` files
     above each of those (Python runs them first) unless they are `name`'s own, already being
     imported, and the `__init__.py` a `from pkg import x` reads x from, its own included
-    (issue 24: arealite.dataset <-> arealite.dataset.registry was such a cycle)."""
+    (`arealite/pkg/__init__.py` importing `arealite.pkg.mod`, which runs `from arealite.pkg
+    import x`, is a cycle)."""
     own = set(_parents(name))
     deps = set()
     for target, _ in imported_modules(path):
@@ -194,7 +195,7 @@ def _names_arealite(node: ast.AST) -> bool:
 
 def string_imports(modules: dict[str, str]) -> list[str]:
     """`importlib.import_module("arealite...")`, `__import__("arealite...")` and
-    "arealite.pkg.module:name" specs: imports the checks above cannot see (issue 24). Import
+    "arealite.pkg.module:name" specs: imports the checks above cannot see. Import
     such a module with an import statement, where the layering allows it."""
     hits = []
     for _, path in sorted(modules.items()):
@@ -215,8 +216,8 @@ def test_no_upward_import():
 
 
 def test_no_import_cycle():
-    """A TYPE_CHECKING back-reference counts (issue 17's engine_api <-> workflow_api cycle was
-    one): type the owner with a Protocol in the lower module, or pass it only what it uses."""
+    """A TYPE_CHECKING back-reference counts (a contract typing its owner, which imports it, is
+    a cycle): type the owner with a Protocol in the lower module, or pass it only what it uses."""
     assert import_cycles(MODULES) == []
 
 

@@ -2,7 +2,7 @@
 
 The distributed path runs over gloo, NCCL's CPU stand-in: the same group, rendezvous and
 broadcast code as on GPU, the backend aside. Once through a trainer that looks like a torchrun
-worker (TORCHELASTIC_USE_AGENT_STORE=True, which used to leave the group's store unhosted),
+worker (TORCHELASTIC_USE_AGENT_STORE=True: rank 0 must still host the group's store),
 once through the real launcher (examples/grpo.py, torchrun, 2 ranks, embedded server)."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ dummy completion, before any server starts.
 
 Why call it: the signature check cannot see a reward that takes `**kw` but names a contract
 argument wrong (`completion` for `completions`), imports a missing module inside the function,
-reads a column the row lacks, or returns None; each of those used to score 0 on every sample
-of a whole run. Why a worker process: the call runs the user's code (it may hang: the timeout
+reads a column the row lacks, or returns None; in a run each of those scores 0 on every sample,
+for the whole run. Why a worker process: the call runs the user's code (it may hang: the timeout
 kills the worker), and math-verify's `signal.alarm` needs the main thread of a process, which
 is where a multiprocessing worker runs its tasks.
 """

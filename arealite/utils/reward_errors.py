@@ -2,12 +2,12 @@
 count, at 10, 100, 1000, ...), and stop the run when the reward is plainly broken.
 
 Why stop: a reward that raises scores 0, and a run on all-zero rewards trains on nothing for
-hours while looking healthy (issue 23: 208 calls raised TypeError, 12 steps trained on zeros).
+hours while looking healthy.
 Two rules, both from `rollout.*` (InferenceEngineConfig):
 - a step in which every reward call failed (`steps` such steps in a row; default 1): checked by
   the trainer when a step's batch is complete (`end_step`), before it trains on it. Per step,
   not per N calls, so a reward that always raises stops in the first step whatever the batch
-  size (issue 42: a rule of "the first 64 calls" let a 16-sample batch train 3 steps on zeros);
+  size (a rule of "the first N calls" would let a batch smaller than N train on zeros);
 - more than `max_error_rate` of the last `window` calls failed (a reward that broke mid-run,
   or fails on most rows), checked at each failed call.
 A reward that fails on a few odd rows (a bug on one row in eight) keeps running, counted in
