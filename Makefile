@@ -17,7 +17,8 @@ TEST_DEPS := -e ".[dev,ray]"
 # replacing a CPU (or your CUDA) build with the registry's. Bytecode is compiled at install, as
 # pip does: where PYTHONDONTWRITEBYTECODE is set, every process would compile its imports anew.
 TORCH_PIN := $(VENV)/torch-pin.txt
-install = $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN) && \
+install = $(PY) -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+	> $(TORCH_PIN) && \
 	if [ -x $(UV) ] && $(UV) pip install -q --compile-bytecode --python $(PY) -c $(TORCH_PIN) $(1); \
 	then :; else $(PIP) install -q -c $(TORCH_PIN) $(1); fi
 
