@@ -43,7 +43,7 @@ def run_loop(policy: str, model: str, steps: int, workdir: str) -> dict:
         f"total_train_steps={steps}",
         "valid_dataset=null",
         "saver.freq_steps=null",
-        "actor.dynamic_sampling=false",  # the random model scores 0: every batch the same size
+        "rollout.dynamic_sampling=false",  # the random model scores 0: every batch the same size
     ]
     secs = launch("grpo.py", "arith_grpo.yaml", args, os.path.join(workdir, f"{policy}.log"))
     with open(os.path.join(workdir, "threads", policy, "metrics.jsonl")) as f:

@@ -2,9 +2,9 @@
 
 Both runs go through the local launcher (`examples/grpo.py` + `examples/configs/arith_grpo.yaml`)
 from the same warm start with the same seed, one after the other, and differ only in
-`actor.dynamic_sampling`. With it on, a group whose samples all got the same reward is dropped
+`rollout.dynamic_sampling`. With it on, a group whose samples all got the same reward is dropped
 before it reaches the trainer and replaced by a new one (bounded by
-`actor.dynamic_sampling_max_oversample`): generation does more, the trainer spends every step on
+`rollout.dynamic_sampling_max_oversample`): generation does more, the trainer spends every step on
 groups with a gradient.
 
 Figures (JSON lines): per run wall seconds (launcher start to exit), steps, seconds per step,
@@ -34,7 +34,7 @@ def run(model: str, dynamic: bool, steps: int, seed: int, workdir: str) -> dict:
         f"actor.path={model}",
         f"seed={seed}",
         f"total_train_steps={steps}",
-        f"actor.dynamic_sampling={str(dynamic).lower()}",
+        f"rollout.dynamic_sampling={str(dynamic).lower()}",
         f"evaluator.freq_steps={steps}",
     ]
     secs = launch("grpo.py", "arith_grpo.yaml", overrides, os.path.join(workdir, f"{name}.log"))

@@ -22,7 +22,7 @@ Needs the `bench` extra (`pip install -e .[bench]`).
 
     python bench/vs_trl.py [--task arith|long_sums] [--minutes 10] [--seeds 1,2,3] [--systems trl,arealite] [--workdir DIR]
                            [--gpu]  # both on GPU 0 (bf16 where it is native)
-                           [--arealite-args "actor.dynamic_sampling=false ..."]  # default on
+                           [--arealite-args "rollout.dynamic_sampling=false ..."]  # default on
                                # a CPU: allocation_mode=colocated+d1p1t1 ("" = the demo's server)
                            [--steps 1300] [--lr 1e-4]
                            [--runs-from earlier_output.jsonl]  # e.g. TRL's runs

@@ -87,7 +87,7 @@ def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
             "actor.recompute_logprob=true",
             "actor.use_decoupled_loss=false",
             "rollout.setup_timeout=120",
-            "actor.dynamic_sampling=false",  # every item trained exactly once (none dropped)
+            "rollout.dynamic_sampling=false",  # every item trained exactly once (none dropped)
         ],
     )
 

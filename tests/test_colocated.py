@@ -138,7 +138,7 @@ def test_grpo_on_two_ranks_without_a_server(tmp_path, tiny_model_dir):
         "total_train_steps=3",
         "allocation_mode=colocated+d2p1t1",
         "rollout.max_head_offpolicyness=0",
-        "actor.dynamic_sampling=false",
+        "rollout.dynamic_sampling=false",
         "train_dataset.batch_size=4",
         "gconfig.n_samples=2",
         "gconfig.max_new_tokens=4",

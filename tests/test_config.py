@@ -82,7 +82,7 @@ def test_impossible_combinations(grpo_yaml, override, needle):
 
 def test_a_skip_probability_of_one_is_refused(grpo_yaml):
     """Probability 1 would skip a solved prompt forever, even once the policy fails it again."""
-    args = ["actor.dynamic_sampling=true", "actor.dynamic_sampling_skip_max_prob=1"]
+    args = ["rollout.dynamic_sampling=true", "rollout.dynamic_sampling_skip_max_prob=1"]
     with pytest.raises(ConfigError, match=r"dynamic_sampling_skip_max_prob must be in \[0, 1\)"):
         load_expr_config(["--config", grpo_yaml, *args], GRPOConfig)
 
@@ -111,6 +111,9 @@ def test_derived_keys_follow_the_users_key(grpo_yaml):
         ("rollout.consumer_batch_size=8", "train_dataset.batch_size"),
         ("async_training=false", "rollout.max_head_offpolicyness"),
         ("rollout.reward_fail_fast_calls=64", "rollout.reward_fail_fast_steps"),
+        ("actor.dynamic_sampling=true", "rollout.dynamic_sampling"),
+        ("actor.dynamic_sampling_max_oversample=2", "rollout.dynamic_sampling_max_oversample"),
+        ("actor.dynamic_sampling_skip_max_prob=0.5", "rollout.dynamic_sampling_skip_max_prob"),
     ],
 )
 def test_removed_keys_name_the_key_to_set(grpo_yaml, tmp_path, key, instead):
@@ -138,7 +141,8 @@ def test_derived_keys_are_not_in_help():
 
 def test_presets_apply_under_explicit_values(grpo_yaml):
     cfg = load_expr_config(["--config", grpo_yaml, "actor.preset=dapo"], GRPOConfig)
-    assert cfg.actor.eps_clip_higher == 0.28 and cfg.actor.dynamic_sampling
+    assert cfg.actor.eps_clip_higher == 0.28 and cfg.rollout.dynamic_sampling
+    assert cfg.actor.dynamic_sampling  # the actor's loss mask follows the rollout key
     cfg = load_expr_config(
         ["--config", grpo_yaml, "actor.preset=dapo", "actor.eps_clip_higher=0.3"], GRPOConfig
     )

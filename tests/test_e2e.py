@@ -76,7 +76,7 @@ def grpo_overrides(fileroot: str, trial: str, model: str, steps: int) -> list[st
         "actor.fsdp.param_dtype=float32",
         "server.dtype=float32",
         "stats_logger.print_every=1",
-        "actor.dynamic_sampling=false",  # an untrained model scores 0: every group would drop
+        "rollout.dynamic_sampling=false",  # an untrained model scores 0: every group would drop
     ]
 
 

@@ -34,7 +34,7 @@ GRPO_SMALL = [
     "rollout.max_concurrent_rollouts=8",
     "gconfig.n_samples=2",
     "valid_dataset=null",
-    "actor.dynamic_sampling=false",  # the untrained model scores 0: the filter would drop all
+    "rollout.dynamic_sampling=false",  # the untrained model scores 0: the filter would drop all
 ]
 
 

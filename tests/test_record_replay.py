@@ -44,7 +44,7 @@ def overrides(root: str, trial: str, model: str, *extra: str) -> list[str]:
         "gconfig.max_new_tokens=4",
         "valid_dataset=null",
         "rollout.max_head_offpolicyness=0",
-        "actor.dynamic_sampling=false",
+        "rollout.dynamic_sampling=false",
         "actor.fsdp.param_dtype=float32",
         "server.dtype=float32",
         *extra,

@@ -258,7 +258,7 @@ def grpo_cmd(fileroot, model_dir, trial, extra=()):
             "recover.freq_steps=1",
             "recover.retries=2",
             # every item trained exactly once: the demo's dynamic sampling drops some by design
-            "actor.dynamic_sampling=false",
+            "rollout.dynamic_sampling=false",
             *extra,
         ],
     )

@@ -25,6 +25,7 @@ from arealite.api.config_loader import (
     ConfigError,
     derived_from,
     load_expr_config,
+    require,
     to_yaml,
 )
 from arealite.api.config_loader import help_text as _help
@@ -145,6 +146,29 @@ class InferenceEngineConfig(ConfigBase):
         metadata=_help("Warn once when this many consecutive steps have equal rewards in every "
                        "group (zero advantages: nothing to learn); 0 = never."),
     )  # fmt: skip
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata=_help(
+            "DAPO's dynamic sampling: the executor drops groups whose rewards are all equal and "
+            "generates others in their place (arealite/rollout/group_filter.py)."
+        ),
+    )
+    dynamic_sampling_max_oversample: float = field(
+        default=3.0,
+        metadata=_help(
+            "Cap: at most (this - 1) x batch groups dropped per step; past it equal-reward "
+            "groups are accepted, counted, and left out of the update (loss mask zeroed)."
+        ),
+    )
+    dynamic_sampling_skip_max_prob: float = field(
+        default=0.0,
+        metadata=_help(
+            "Skip a prompt before generating it with probability min(this, 1 - 2^-k), k = its "
+            "latest groups in a row solved (all samples at the best reward; GRESO's pre-rollout "
+            "filter, all-wrong prompts kept); 0 = off. Only with dynamic_sampling, whose "
+            "verdicts it learns from."
+        ),
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -161,6 +185,10 @@ class InferenceEngineConfig(ConfigBase):
                 f"rollout.max_concurrent_rollouts must be >= 1, got {self.max_concurrent_rollouts}"
             )
         self._check_reward_knobs()
+        over = self.dynamic_sampling_max_oversample
+        require(over >= 1, "rollout.dynamic_sampling_max_oversample", over, ">= 1 (1 = never drop)")
+        skip = self.dynamic_sampling_skip_max_prob
+        require(0 <= skip < 1, "rollout.dynamic_sampling_skip_max_prob", skip, "in [0, 1)")
 
     def _check_reward_knobs(self) -> None:
         if self.reward_fail_fast_steps < 0 or self.no_signal_steps < 0:
@@ -344,6 +372,8 @@ class GRPOConfig(BaseExperimentConfig):
                               f"it {'writes' if self.mode == 'rollout_only' else 'reads'})")  # fmt: skip
         # One key per fact: the derived keys follow the user's (config_loader.derived_from).
         self.actor.group_size = self.gconfig.n_samples  # advantages: per group of samples
+        # Groups dynamic sampling accepted past its cap: left out of the update.
+        self.actor.dynamic_sampling = self.rollout.dynamic_sampling
         # Log-probabilities at the temperature the samples were drawn at, or every importance
         # ratio is off (greedy sampling: the model's own distribution).
         for policy in (self.actor, self.ref):

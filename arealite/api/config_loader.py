@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from arealite.api.presets import ACTOR_PRESETS
+from arealite.api.presets import ACTOR_PRESETS, ROLLOUT_PRESETS
 
 
 class ConfigError(ValueError):
@@ -65,6 +65,8 @@ RENAMED_KEYS: dict[str, str] = {
     "with that staleness bound)",
     "rollout.reward_fail_fast_calls": "rollout.reward_fail_fast_steps (the run stops after that "
     "many steps in a row in which every reward call failed; 0 = off)",
+    "actor.dynamic_sampling_max_oversample": "rollout.dynamic_sampling_max_oversample",
+    "actor.dynamic_sampling_skip_max_prob": "rollout.dynamic_sampling_skip_max_prob",
 }
 
 
@@ -193,7 +195,10 @@ def _apply_presets(merged: Any, user_cfg: Any) -> Any:
     preset = OmegaConf.select(user_cfg, "actor.preset", default=None)
     if preset is None:
         return merged
-    return OmegaConf.merge(merged, {"actor": ACTOR_PRESETS[preset]}, user_cfg)
+    layer = {"actor": ACTOR_PRESETS[preset]}
+    if preset in ROLLOUT_PRESETS and "rollout" in merged:
+        layer["rollout"] = ROLLOUT_PRESETS[preset]
+    return OmegaConf.merge(merged, layer, user_cfg)
 
 
 def load_expr_config(argv: list[str], config_cls: type) -> Any:

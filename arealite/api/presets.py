@@ -1,4 +1,4 @@
-"""Algorithm presets: named sets of actor field values (`actor.preset=dapo`).
+"""Algorithm presets: named sets of actor (and rollout) field values (`actor.preset=dapo`).
 
 The loader merges a preset *under* the user's YAML and overrides, so explicit keys still win.
 Kept apart from the dataclasses so that both `cli_args` (the `preset` field's allowed names) and
@@ -20,7 +20,6 @@ ACTOR_PRESETS: dict[PresetName, dict[str, Any]] = {
         group_reward_std_level="group",
         eps_clip=0.2,
         eps_clip_higher=0.28,
-        dynamic_sampling=True,
         overlong_reward_penalty=True,
         overlong_tokens=64,
         overlong_penalty_factor=1.0,
@@ -49,3 +48,7 @@ ACTOR_PRESETS: dict[PresetName, dict[str, Any]] = {
         gae_lambda=0.95,
     ),
 }
+
+# Field values of the rollout section (InferenceEngineConfig), by preset name: DAPO's dynamic
+# sampling is the executor's filter.
+ROLLOUT_PRESETS: dict[PresetName, dict[str, Any]] = {"dapo": dict(dynamic_sampling=True)}

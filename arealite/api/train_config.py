@@ -206,25 +206,10 @@ class PPOActorConfig(TrainEngineConfig):
     )
     dynamic_sampling: bool = field(
         default=False,
-        metadata=_help(
-            "DAPO's dynamic sampling: the rollout executor drops groups whose rewards are all "
-            "equal and generates others in their place (arealite/rollout/group_filter.py)."
-        ),
-    )
-    dynamic_sampling_max_oversample: float = field(
-        default=3.0,
-        metadata=_help(
-            "Cap: at most (this - 1) x batch groups dropped per step; past it equal-reward "
-            "groups are accepted, counted, and left out of the update (loss mask zeroed)."
-        ),
-    )
-    dynamic_sampling_skip_max_prob: float = field(
-        default=0.0,
-        metadata=_help(
-            "Skip a prompt before generating it with probability min(this, 1 - 2^-k), k = its "
-            "latest groups in a row solved (all samples at the best reward; GRESO's pre-rollout "
-            "filter, all-wrong prompts kept); 0 = off. Only with dynamic_sampling, whose "
-            "verdicts it learns from."
+        metadata=derived_from(
+            "rollout.dynamic_sampling",
+            "Zero the loss mask of equal-reward groups (those dynamic sampling accepted past "
+            "its cap).",
         ),
     )
 
@@ -235,10 +220,6 @@ class PPOActorConfig(TrainEngineConfig):
         require(n >= 1, "actor.ppo_n_minibatches", n, ">= 1")
         c = self.c_clip
         require(c is None or c > 1, "actor.c_clip", c, "> 1 (dual clip)")
-        over = self.dynamic_sampling_max_oversample
-        require(over >= 1, "actor.dynamic_sampling_max_oversample", over, ">= 1 (1 = never drop)")
-        skip = self.dynamic_sampling_skip_max_prob
-        require(0 <= skip < 1, "actor.dynamic_sampling_skip_max_prob", skip, "in [0, 1)")
         if self.use_decoupled_loss and not self.recompute_logprob:
             raise ConfigError(
                 "actor.use_decoupled_loss=true needs actor.recompute_logprob=true "

@@ -35,7 +35,7 @@ class ServerRollouts:
         rollout_cfg = config.rollout
         if not bounded:
             rollout_cfg = dataclasses.replace(rollout_cfg, max_head_offpolicyness=UNBOUNDED)
-        self.sync = rollout_cfg.max_head_offpolicyness == 0 and not config.actor.dynamic_sampling
+        self.sync = rollout_cfg.max_head_offpolicyness == 0 and not rollout_cfg.dynamic_sampling
         self.executor = WorkflowExecutor(rollout_cfg, run.rollout_engine(rollout_cfg))
         self.executor.initialize(train_data_parallel_size=world)
         self.reward_pool = reward_pool_of(
@@ -53,11 +53,11 @@ class ServerRollouts:
             dump_dir=dump_dir,
         )
         self.group_filter = None  # DAPO's dynamic sampling: equal-reward groups resampled
-        if config.actor.dynamic_sampling:
+        if rollout_cfg.dynamic_sampling:
             self.group_filter = InformativeGroupFilter(
                 config.train_dataset.batch_size // world,
-                config.actor.dynamic_sampling_max_oversample,
-                skip_max_prob=config.actor.dynamic_sampling_skip_max_prob,
+                rollout_cfg.dynamic_sampling_max_oversample,
+                skip_max_prob=rollout_cfg.dynamic_sampling_skip_max_prob,
                 seed=config.seed + rank,
             )
         self.load_meter = ServerLoadMeter(self.executor.engine)
