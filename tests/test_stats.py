@@ -15,15 +15,15 @@ import torch.multiprocessing as mp
 
 from arealite.api.cli_args import EvaluatorConfig, SaverConfig, StatsLoggerConfig
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
+from arealite.trainer import stats_tracker
 from arealite.trainer.evaluator import Evaluator
+from arealite.trainer.plotting import read_metrics_jsonl
+from arealite.trainer.progress import ProgressLine, find_stat, format_progress
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
-from arealite.utils import stats_tracker
+from arealite.trainer.stats_tracker import StatsTracker
+from arealite.trainer.timer import EpochStepTimeFreqCtl
 from arealite.utils.network import find_free_port
-from arealite.utils.plotting import read_metrics_jsonl
-from arealite.utils.progress import ProgressLine, find_stat, format_progress
-from arealite.utils.stats_tracker import StatsTracker
-from arealite.utils.timer import EpochStepTimeFreqCtl
 
 # ----------------------------------------------------------------------------- stats tracker
 

@@ -19,13 +19,13 @@ from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.recipes.grpo_run import GRPORun
 from arealite.recipes.rollouts import Evaluation, RecordedRollouts, ServerRollouts
+from arealite.trainer import stats_tracker
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.trainer.weight_sync import WeightSync
-from arealite.utils import stats_tracker
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from arealite.api.cli_args import EvaluatorConfig
 from arealite.api.io_struct import FinetuneSpec
-from arealite.utils.timer import EpochStepTimeFreqCtl
+from arealite.trainer.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from arealite.api.cli_args import RecoverConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
+from arealite.trainer.timer import EpochStepTimeFreqCtl
 from arealite.utils import distributed as du
 from arealite.utils.safe_state import read_json, write_json
 from arealite.utils.save_load import swap_in, tmp_sibling
-from arealite.utils.timer import EpochStepTimeFreqCtl
 
 logger = logging.getLogger("arealite.recover")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from arealite.api.cli_args import SaverConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
-from arealite.utils.timer import EpochStepTimeFreqCtl
+from arealite.trainer.timer import EpochStepTimeFreqCtl
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from arealite.api.cli_args import BaseExperimentConfig, StatsLoggerConfig
 from arealite.api.io_struct import FinetuneSpec
-from arealite.utils.plotting import DEFAULT_PANELS, plot_curves, read_metrics_jsonl, select_curves
-from arealite.utils.progress import ProgressLine
+from arealite.trainer.plotting import DEFAULT_PANELS, plot_curves, read_metrics_jsonl, select_curves
+from arealite.trainer.progress import ProgressLine
 
 logger = logging.getLogger(__name__)
 

@@ -195,7 +195,7 @@ def _group_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-# Module-level default tracker (`from arealite.utils import stats_tracker; stats_tracker.stat(...)`).
+# Module-level default tracker (`from arealite.trainer import stats_tracker; stats_tracker.stat(...)`).
 _TRACKERS: dict[str, StatsTracker] = {"": StatsTracker()}
 
 
