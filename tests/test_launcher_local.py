@@ -80,7 +80,7 @@ def test_failing_rank_fails_the_run(sft_args):
 
 PARENT = """
 import os, subprocess, sys, time
-from arealite.utils.lifeline import die_with_parent
+from arealite.lifecycle.lifeline import die_with_parent
 child = [sys.executable, "-c", sys.argv[1]]
 kw = {"preexec_fn": die_with_parent} if sys.argv[2] == "pdeathsig" else {}
 # stderr: a pipe that dies with us, as the launcher's pipe to torchrun does (a write raises)
@@ -89,7 +89,7 @@ time.sleep(600)
 """
 WATCHER = """
 import subprocess, sys, time
-from arealite.utils.lifeline import watch_parent
+from arealite.lifecycle.lifeline import watch_parent
 grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 watch_parent(interval=0.2)
 print(grandchild.pid, flush=True)

@@ -24,9 +24,10 @@ ALLOWED: dict[str, set[str]] = {
     "utils": set(),
     "api": {"utils"},
     "engine": BASE,
-    "inference": BASE,
+    "lifecycle": set(),  # processes die with their launcher; one owner per run directory
+    "inference": BASE | {"lifecycle"},
     "rollout": BASE,
-    "trainer": BASE,
+    "trainer": BASE | {"lifecycle"},
     "openai_wire": BASE,  # the OpenAI chat-completions format, for server and agent
     "server": BASE | {"openai_wire"},
     "dataset": BASE,  # the user's data as canonical rows, and the row building blocks
@@ -34,7 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "reward": BASE | {"tasks"},  # spec -> callable (built-ins by short name), worker pool
     "workflow": BASE | {"reward"},
     "agent": BASE | {"openai_wire", "workflow", "rollout", "reward"},
-    "launcher": BASE | {"tasks", "reward"},  # preflight opens the data, calls the rewards
+    "launcher": BASE
+    | {"tasks", "reward", "lifecycle"},  # preflight opens the data, calls the rewards
     "testing": BASE,  # imported by tests, benchmarks and examples only
 }
 # whole runs built from the config (GRPOTrainer): every package but the launchers and testing

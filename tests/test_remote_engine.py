@@ -365,7 +365,7 @@ def test_an_aborted_group_resumes_together_with_its_whole_budget(engine, server)
 def test_a_weight_rollback_is_refused_and_the_trainer_sees_it(server, tiny_model_dir, monkeypatch):
     """A stray trainer (an older owner of the run, or the same one going back) cannot roll
     the server's weights back: update_weights raises naming the server and both versions."""
-    from arealite.utils.run_lock import FENCING_TOKEN_ENV
+    from arealite.lifecycle.run_lock import FENCING_TOKEN_ENV
 
     engine = make_engine([server.address])
     try:

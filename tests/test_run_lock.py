@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from arealite.utils.run_lock import FENCING_TOKEN_ENV, RunLock, RunLockHeld
+from arealite.lifecycle.run_lock import FENCING_TOKEN_ENV, RunLock, RunLockHeld
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from arealite.utils.run_lock import RunLock
+    from arealite.lifecycle.run_lock import RunLock
     lock = RunLock(sys.argv[1], ttl=float(sys.argv[3]), mode=sys.argv[2])
     print(lock.acquire(), flush=True)
     time.sleep(600)

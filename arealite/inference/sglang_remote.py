@@ -21,7 +21,7 @@ from typing import Any
 from arealite.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
 from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
 from arealite.inference.server_http import ServerError, parse_version
-from arealite.utils.run_lock import fencing_token
+from arealite.lifecycle.run_lock import fencing_token
 
 _FINISH_TYPES = ("stop", "length", "abort")
 

@@ -9,7 +9,7 @@ import os
 
 from arealite.api.launch_config import SERVER_ADDRS_ENV, SERVERS_STARTUP_ENV
 from arealite.launcher.placement import GpuPlan, trainer_nccl_env
-from arealite.utils.lifeline import WATCH_PARENT_ENV
+from arealite.lifecycle.lifeline import WATCH_PARENT_ENV
 
 
 def cpu_thread_env(config, n_busy_together: int) -> dict[str, str]:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from arealite.utils.lifeline import die_with_parent
+from arealite.lifecycle.lifeline import die_with_parent
 
 logger = logging.getLogger("arealite.launcher")
 

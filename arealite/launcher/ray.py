@@ -36,7 +36,7 @@ from arealite.launcher.servers import (
     wait_healthy,
     weight_roots,
 )
-from arealite.utils.lifeline import die_with_parent
+from arealite.lifecycle.lifeline import die_with_parent
 from arealite.utils.network import find_free_port
 
 logger = logging.getLogger("arealite.launcher")

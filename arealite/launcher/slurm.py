@@ -44,7 +44,7 @@ from arealite.launcher.process import (
 from arealite.launcher.servers import needs_servers, share_server_api_key
 from arealite.launcher.slurm_node import register_and_run
 from arealite.launcher.slurm_scripts import servers_script, trainer_script
-from arealite.utils.lifeline import LAUNCHER_HEARTBEAT_ENV, HeartbeatWriter
+from arealite.lifecycle.lifeline import LAUNCHER_HEARTBEAT_ENV, HeartbeatWriter
 
 logger = logging.getLogger("arealite.launcher")
 

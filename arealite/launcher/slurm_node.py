@@ -16,7 +16,7 @@ from arealite.api.cli_args import NameResolveConfig
 from arealite.launcher.name_resolve import make_repository
 from arealite.launcher.servers import wait_healthy
 from arealite.launcher.slurm_scripts import HOST, PORT
-from arealite.utils.lifeline import die_with_parent, watch_parent
+from arealite.lifecycle.lifeline import die_with_parent, watch_parent
 from arealite.utils.network import find_free_port
 
 __all__ = ["node_address", "register_and_run", "SERVER_KEEPALIVE_TTL"]

@@ -21,13 +21,13 @@ from arealite.agent.route import AgentRoute
 from arealite.api.cli_args import GRPOConfig
 from arealite.api.io_struct import FinetuneSpec
 from arealite.inference import make_remote_engine
+from arealite.lifecycle.run_lock import claim_run_dir
 from arealite.reward import make_reward_pool
 from arealite.rollout.record import EpisodeRecorder, RecordedBatches
 from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 from arealite.tasks import default_reward, is_vision_dataset, load_rows
 from arealite.trainer.recover import ResumableSampler
 from arealite.utils import distributed as du
-from arealite.utils.run_lock import claim_run_dir
 from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
 from arealite.workflow.vision_rlvr import VisionRLVRWorkflow

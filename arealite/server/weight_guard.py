@@ -6,7 +6,7 @@
   before anything is read, so a symlink that leads out of the roots is refused too (HTTP 403).
 - Versions: a server never goes back to an older version (HTTP 409), so a stray trainer cannot
   roll the weights back. A newer owner of the run (a higher fencing token, see
-  `arealite.utils.run_lock`) may: a resumed run restores the version of its last checkpoint.
+  `arealite.lifecycle.run_lock`) may: a resumed run restores the version of its last checkpoint.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from arealite.api.io_struct import FinetuneSpec
+from arealite.lifecycle.run_lock import claim_run_dir
 from arealite.trainer import stats_tracker
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
-from arealite.utils.run_lock import claim_run_dir
 
 __all__ = ["start_run", "rank_loader", "train_supervised"]
 

@@ -228,7 +228,7 @@ def claim_run_dir(run_dir: str, rank: int) -> RunLock | None:
     launcher asked for it), and rank 0 owns the run directory until it exits."""
     import atexit
 
-    from arealite.utils.lifeline import WATCH_PARENT_ENV, watch_parent
+    from arealite.lifecycle.lifeline import WATCH_PARENT_ENV, watch_parent
 
     if os.environ.get(WATCH_PARENT_ENV) == "1":
         watch_parent()
