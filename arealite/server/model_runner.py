@@ -10,6 +10,7 @@ Positions come from each row's own token count, so padding never shifts RoPE.
 from __future__ import annotations
 
 import glob
+import inspect
 import logging
 import os
 import time
@@ -87,6 +88,9 @@ class ModelRunner:
         auto_cls = getattr(transformers, self.auto_model_class)
         self.model = auto_cls.from_pretrained(model_path, dtype=self.dtype)
         self.model.to(self.device).eval()
+        # transformers renamed the forward's `past_key_values` to `cache` (the old name warns).
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         text_config = self.model.config.get_text_config()
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 20)
@@ -145,7 +149,7 @@ class ModelRunner:
             input_ids=input_ids,
             attention_mask=batch.attention_mask,
             position_ids=position_ids,
-            past_key_values=batch.cache,
+            **{self._cache_arg: batch.cache},
             use_cache=True,
             logits_to_keep=1,
             **extra,
