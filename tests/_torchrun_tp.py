@@ -125,7 +125,7 @@ def weight_updates(actor, rank: int, disk_dir: str, broadcast: bool) -> dict:
     from torch.distributed.tensor import DTensor
 
     from arealite.api.io_struct import WeightUpdateMeta
-    from arealite.utils.save_load import load_safetensors_dir
+    from arealite.checkpoint.save_load import load_safetensors_dir
     from arealite.utils.tensor_handles import deserialize_named_tensors
 
     out = {}

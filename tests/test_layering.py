@@ -23,11 +23,12 @@ BASE = {"api", "utils"}
 ALLOWED: dict[str, set[str]] = {
     "utils": set(),
     "api": {"utils"},
-    "engine": BASE,
+    "checkpoint": set(),  # checkpoint files: written whole, read without running code
+    "engine": BASE | {"checkpoint"},
     "lifecycle": set(),  # processes die with their launcher; one owner per run directory
     "inference": BASE | {"lifecycle"},
     "rollout": BASE,
-    "trainer": BASE | {"lifecycle"},
+    "trainer": BASE | {"lifecycle", "checkpoint"},
     "openai_wire": BASE,  # the OpenAI chat-completions format, for server and agent
     "server": BASE | {"openai_wire"},
     "dataset": BASE,  # the user's data as canonical rows, and the row building blocks

@@ -579,7 +579,7 @@ def test_dcp_metadata_is_loaded_without_arbitrary_unpickling(tmp_path):
     """A tampered `.metadata` that would run code on pickle.load is refused."""
     import pickle
 
-    from arealite.utils.safe_state import safe_dcp_reader
+    from arealite.checkpoint.safe_state import safe_dcp_reader
 
     class Exploit:
         def __reduce__(self):
@@ -596,8 +596,8 @@ def test_recover_state_round_trips_rng_and_tensors_through_json():
 
     import numpy as np
 
-    from arealite.utils.safe_state import from_json, to_json
-    from arealite.utils.save_load import rng_state
+    from arealite.checkpoint.safe_state import from_json, to_json
+    from arealite.checkpoint.save_load import rng_state
 
     state = {"rng": rng_state(), "t": torch.arange(3, dtype=torch.bfloat16), "x": (1, [2.5])}
     back = from_json(json.loads(json.dumps(to_json(state))))

@@ -1,3 +1,3 @@
 """Training engines: the FSDP2 trainer family (LM, PPO actor and critic, reward model) and its
-packing, attention and optimizer pieces. Imports arealite.api and arealite.utils only; the
-remote inference clients live in arealite.inference."""
+packing, attention and optimizer pieces. Imports arealite.api, arealite.utils and
+arealite.checkpoint only; the remote inference clients live in arealite.inference."""

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from arealite.checkpoint.safe_state import read_json, safe_dcp_reader, write_json
+from arealite.checkpoint.save_load import rng_state, set_rng_state, swap_in, tmp_sibling
 from arealite.utils import distributed as du
-from arealite.utils.safe_state import read_json, safe_dcp_reader, write_json
-from arealite.utils.save_load import rng_state, set_rng_state, swap_in, tmp_sibling
 
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

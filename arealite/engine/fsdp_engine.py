@@ -21,6 +21,12 @@ import torch.distributed as dist
 
 from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from arealite.checkpoint.save_load import (
+    atomic_dir,
+    copy_non_weight_files,
+    load_safetensors_dir,
+    write_safetensors_shards,
+)
 from arealite.engine.base_hf_engine import BaseHFEngine, logger
 from arealite.engine.dcp_checkpoint import load_dcp, save_dcp
 from arealite.engine.hf_model import load_hf_model
@@ -30,12 +36,6 @@ from arealite.engine.tensor_parallel import TensorParallelMixin
 from arealite.utils import distributed as du
 from arealite.utils.fsdp import iter_full_buckets, plan_buckets
 from arealite.utils.hardware import resolve_dtype
-from arealite.utils.save_load import (
-    atomic_dir,
-    copy_non_weight_files,
-    load_safetensors_dir,
-    write_safetensors_shards,
-)
 from arealite.utils.tensor_handles import serialize_named_tensors
 from arealite.utils.vision import checkpoint_to_module_names
 

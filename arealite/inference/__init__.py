@@ -1,6 +1,7 @@
 """Inference clients: talk to generation servers (SGLang, vLLM, our embedded server) over HTTP,
-route requests across a pool, and push trainer weights to them. Imports arealite.api and
-arealite.utils only; the training engines live in arealite.engine."""
+route requests across a pool, and push trainer weights to them. Imports arealite.api,
+arealite.utils and arealite.lifecycle (the fencing token) only; the training engines live in
+arealite.engine."""
 
 from __future__ import annotations
 

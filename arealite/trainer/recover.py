@@ -13,7 +13,7 @@ CheckpointManager is the model): `TrainEngine`s are saved as DCP checkpoints, an
 It is written into a staging directory and swapped in only when complete, so a crash (or a full
 disk) during the write leaves the previous checkpoint intact, and a kill between the swap's two
 renames is repaired on the next start. Only JSON and DCP files are written, and nothing is
-unpickled on load (see arealite/utils/safe_state.py).
+unpickled on load (see arealite/checkpoint/safe_state.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from arealite.api.cli_args import RecoverConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
+from arealite.checkpoint.safe_state import read_json, write_json
+from arealite.checkpoint.save_load import swap_in, tmp_sibling
 from arealite.trainer.timer import EpochStepTimeFreqCtl
 from arealite.utils import distributed as du
-from arealite.utils.safe_state import read_json, write_json
-from arealite.utils.save_load import swap_in, tmp_sibling
 
 logger = logging.getLogger("arealite.recover")
 
