@@ -122,30 +122,38 @@ class InferenceEngineConfig(ConfigBase):
     reward_timeout: float = field(default=15.0, metadata=_help("Seconds per reward call."))
     record: Optional[str] = field(
         default=None,
-        metadata=_help("A directory: every trained batch's episodes are appended there (one "
-                       "JSONL a rank; mode=train_only reads it back). docs/guide.md, Record, "
-                       "replay, train-only."),
-    )  # fmt: skip
+        metadata=_help(
+            "A directory: every trained batch's episodes are appended there (one "
+            "JSONL a rank; mode=train_only reads it back). docs/guide.md, Record, "
+            "replay, train-only."
+        ),
+    )
     reward_workers: int = field(default=2, metadata=_help("Reward process-pool size."))
     reward_fail_fast_steps: int = field(
         default=1,
-        metadata=_help("Stop the run at the end of the first step (of N in a row) in which "
-                       "every reward call failed (raised or timed out), before training on it: "
-                       "the reward is broken, not unlucky; 0 = never."),
-    )  # fmt: skip
+        metadata=_help(
+            "Stop the run at the end of the first step (of N in a row) in which "
+            "every reward call failed (raised or timed out), before training on it: "
+            "the reward is broken, not unlucky; 0 = never."
+        ),
+    )
     max_reward_error_rate: float = field(
         default=0.5,
-        metadata=_help("Stop the run when more than this fraction of the last "
-                       "reward_error_window reward calls failed; 1.0 = never."),
-    )  # fmt: skip
+        metadata=_help(
+            "Stop the run when more than this fraction of the last "
+            "reward_error_window reward calls failed; 1.0 = never."
+        ),
+    )
     reward_error_window: int = field(
         default=256, metadata=_help("Reward calls max_reward_error_rate is measured over.")
     )
     no_signal_steps: int = field(
         default=5,
-        metadata=_help("Warn once when this many consecutive steps have equal rewards in every "
-                       "group (zero advantages: nothing to learn); 0 = never."),
-    )  # fmt: skip
+        metadata=_help(
+            "Warn once when this many consecutive steps have equal rewards in every "
+            "group (zero advantages: nothing to learn); 0 = never."
+        ),
+    )
     dynamic_sampling: bool = field(
         default=False,
         metadata=_help(
@@ -207,8 +215,9 @@ class InferenceEngineConfig(ConfigBase):
 
     def reward_fail_fast(self) -> FailFast:
         """When the run's reward pools give up on a broken reward (arealite/utils/reward_errors.py)."""
-        return FailFast(self.reward_fail_fast_steps, self.max_reward_error_rate,
-                        self.reward_error_window)  # fmt: skip
+        return FailFast(
+            self.reward_fail_fast_steps, self.max_reward_error_rate, self.reward_error_window
+        )
 
 
 # ----------------------------------------------------------------------------- experiments
@@ -368,8 +377,10 @@ class GRPOConfig(BaseExperimentConfig):
         if self.mode not in GRPO_MODES:
             raise ConfigError(f"mode={self.mode!r}: expected one of {', '.join(GRPO_MODES)}")
         if self.mode != "train" and not self.rollout.record:
-            raise ConfigError(f"mode={self.mode} needs rollout.record=<dir> (the recording "
-                              f"it {'writes' if self.mode == 'rollout_only' else 'reads'})")  # fmt: skip
+            raise ConfigError(
+                f"mode={self.mode} needs rollout.record=<dir> (the recording "
+                f"it {'writes' if self.mode == 'rollout_only' else 'reads'})"
+            )
         # One key per fact: the derived keys follow the user's (config_loader.derived_from).
         self.actor.group_size = self.gconfig.n_samples  # advantages: per group of samples
         # Groups dynamic sampling accepted past its cap: left out of the update.

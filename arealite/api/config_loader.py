@@ -330,8 +330,11 @@ def _default_of(f: dataclasses.Field) -> str:
         return "(required)"
     if value == "???":
         return "(required)"
-    return {None: "null", True: "true", False: "false"}.get(value, repr(value)) if (
-        value is None or isinstance(value, bool)) else repr(value)  # fmt: skip
+    return (
+        {None: "null", True: "true", False: "false"}.get(value, repr(value))
+        if (value is None or isinstance(value, bool))
+        else repr(value)
+    )
 
 
 def _help_lines(cls: type, prefix: str, sections: dict[str, list[str]], section: str) -> None:

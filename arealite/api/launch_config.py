@@ -63,9 +63,11 @@ class ClusterConfig(ConfigBase):
     )
     gpu_memory_gb: Optional[float] = field(
         default=None,
-        metadata=_help("Memory of each GPU in GiB for the preflight memory plan "
-                       "(arealite/launcher/memory_plan.py); null = what nvidia-smi reports."),
-    )  # fmt: skip
+        metadata=_help(
+            "Memory of each GPU in GiB for the preflight memory plan "
+            "(arealite/launcher/memory_plan.py); null = what nvidia-smi reports."
+        ),
+    )
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
 
     def __post_init__(self):

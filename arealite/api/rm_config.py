@@ -18,10 +18,17 @@ PAIR_FIELDS = ("chosen", "rejected")
 # labelled by the exact verifier) replace the synthetic rejected answers of a
 # sampled_negatives_fraction of the rows.
 ARITH_PREFERENCE_OPTIONS: dict[str, Any] = dict(
-    size=4096, seed=0, max_digits=1, n_operands=2, test_fraction=0.2, min_offset=10,
-    max_offset=30, sampled_negatives_from=None, sampled_negatives_n=4,
+    size=4096,
+    seed=0,
+    max_digits=1,
+    n_operands=2,
+    test_fraction=0.2,
+    min_offset=10,
+    max_offset=30,
+    sampled_negatives_from=None,
+    sampled_negatives_n=4,
     sampled_negatives_fraction=1.0,
-)  # fmt: skip
+)
 
 
 class PreferenceFormatError(ValueError):

@@ -40,12 +40,16 @@ def _choose_on_gpus(alloc, cluster) -> tuple[str, str]:
     if cluster.share_gpus and tp == 1:
         return "tensor", "servers share the trainer's GPU (cluster.share_gpus): CUDA IPC handles"
     if cluster.share_gpus:
-        return "disk", (f"servers of TP {tp} share the trainer's GPUs: handles need TP 1 and "
-                        "NCCL refuses two members on one device")  # fmt: skip
+        return "disk", (
+            f"servers of TP {tp} share the trainer's GPUs: handles need TP 1 and "
+            "NCCL refuses two members on one device"
+        )
     if cluster.n_nodes > 1:
-        return "disk", (f"cluster.n_nodes={cluster.n_nodes}: servers may be on other nodes, with "
-                        "no NCCL group set up across them (weight_update=distributed where "
-                        "they reach trainer rank 0)")  # fmt: skip
+        return "disk", (
+            f"cluster.n_nodes={cluster.n_nodes}: servers may be on other nodes, with "
+            "no NCCL group set up across them (weight_update=distributed where "
+            "they reach trainer rank 0)"
+        )
     return "distributed", "servers on other GPUs of this node: trainer rank 0 broadcasts over NCCL"
 
 
