@@ -111,8 +111,13 @@ class RecordedBatches:
             rows.append(rec)
         for step, rows in list(self.steps.items()):
             if len(rows) != rows[0]["rows"]:
-                logger.warning("%s: step %d has %d of its %d rows: left out", f.name, step,
-                               len(rows), rows[0]["rows"])  # fmt: skip
+                logger.warning(
+                    "%s: step %d has %d of its %d rows: left out",
+                    f.name,
+                    step,
+                    len(rows),
+                    rows[0]["rows"],
+                )
                 del self.steps[step]
         if not self.steps:
             raise ConfigError(f"rollout.record={record_dir!r}: {f.name} holds no episodes")
