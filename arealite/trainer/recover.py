@@ -193,8 +193,9 @@ class RecoverHandler:
         parent = os.path.dirname(os.path.abspath(self.path))
         prefix = os.path.basename(tmp_sibling(self.path, "old-"))  # swap_in's aside names
         names = os.listdir(parent) if os.path.isdir(parent) else []
-        old = sorted((os.path.join(parent, d) for d in names if d.startswith(prefix)),
-                     key=os.path.getmtime)  # fmt: skip
+        old = sorted(
+            (os.path.join(parent, d) for d in names if d.startswith(prefix)), key=os.path.getmtime
+        )
         if os.path.exists(os.path.join(staged, COMPLETE)):
             os.replace(staged, self.path)
         elif old:

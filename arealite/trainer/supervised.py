@@ -40,9 +40,12 @@ def rank_loader(cfg, rows, world: int, seed: int, collate, shuffle=None) -> Stat
     of the `world` ranks takes `cfg.batch_size // world` rows a step (at least one)."""
     order = ResumableSampler(len(rows), cfg.shuffle if shuffle is None else shuffle, seed)
     return StatefulDataLoader(
-        rows, batch_size=max(1, cfg.batch_size // world), drop_last=cfg.drop_last, sampler=order,
+        rows,
+        batch_size=max(1, cfg.batch_size // world),
+        drop_last=cfg.drop_last,
+        sampler=order,
         collate_fn=collate,
-    )  # fmt: skip
+    )
 
 
 def train_supervised(
@@ -64,8 +67,12 @@ def train_supervised(
     implies step s is logged, so resuming never leaves a gap). Ends with a `final` export.
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
-    ft_spec = FinetuneSpec(config.total_train_epochs, len(train_loader.dataset) * world,
-                           config.train_dataset.batch_size, config.total_train_steps)  # fmt: skip
+    ft_spec = FinetuneSpec(
+        config.total_train_epochs,
+        len(train_loader.dataset) * world,
+        config.train_dataset.batch_size,
+        config.total_train_steps,
+    )
     total_steps = ft_spec.total_train_steps
     engine.initialize(None, ft_spec)
     saver = Saver(config.saver, ft_spec, config.run_dir)
@@ -73,8 +80,14 @@ def train_supervised(
     states = {"model": engine, "dataloader": train_loader, "saver": saver, "evaluator": evaluator}
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
     start = recover.load()
-    logger = StatsLogger(config.stats_logger, config.run_dir, ft_spec, start_step=start,
-                         total_steps=total_steps, exp_config=config)  # fmt: skip
+    logger = StatsLogger(
+        config.stats_logger,
+        config.run_dir,
+        ft_spec,
+        start_step=start,
+        total_steps=total_steps,
+        exp_config=config,
+    )
 
     data_iter = iter(train_loader)
     for global_step in range(start, total_steps):
