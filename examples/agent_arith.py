@@ -37,8 +37,14 @@ async def first_answer(client, row: dict) -> float:
 def start_proxy(tokenizer, gconfig):
     """The proxy on this trainer, and agent processes that know only its URL and key."""
     key = secrets.token_urlsafe(16)
-    proxy = AgentProxy(tokenizer, gconfig, api_key=key, session_timeout=300,
-                       export_style="concat", turn_discount=TURN_DISCOUNT)  # fmt: skip
+    proxy = AgentProxy(
+        tokenizer,
+        gconfig,
+        api_key=key,
+        session_timeout=300,
+        export_style="concat",
+        turn_discount=TURN_DISCOUNT,
+    )
     url = proxy.start()
     script = os.path.join(HERE, "agent_arith_openai.py")
     agents = subprocess.Popen(
@@ -55,8 +61,9 @@ def make_workflow(reward_fn, gconfig, tokenizer, **_):
     if gconfig.greedy:
         return AgentWorkflow(first_answer, tokenizer, gconfig)
     if os.environ.get("AGENT_MODE", "proxy") == "inprocess":
-        return AgentWorkflow(solve, tokenizer, gconfig, export_style="concat",
-                             turn_discount=TURN_DISCOUNT)  # fmt: skip
+        return AgentWorkflow(
+            solve, tokenizer, gconfig, export_style="concat", turn_discount=TURN_DISCOUNT
+        )
     return start_proxy(tokenizer, gconfig)
 
 

@@ -114,8 +114,10 @@ async def solve(client, row: dict, partial_credit: bool = False) -> float:
 
 def _copy_credit(copied: list[tuple[str, str]]) -> float:
     """0.25 per copy (at most two): the fraction of characters in the right place."""
-    return sum(0.25 * sum(a == b for a, b in zip(want, got)) / max(len(want), len(got))
-               for want, got in copied[:2])  # fmt: skip
+    return sum(
+        0.25 * sum(a == b for a, b in zip(want, got)) / max(len(want), len(got))
+        for want, got in copied[:2]
+    )
 
 
 # ---- SFT warm start ---------------------------------------------------------------------------
@@ -139,8 +141,12 @@ class ScriptedTeacher:
             arguments = json.dumps({"expr": question})
             reply = f'<tool_call>\n{{"name": "calc", "arguments": {arguments}}}\n</tool_call>'
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return ModelResponse(input_tokens=list(req.input_ids), output_tokens=ids,
-                             output_logprobs=[0.0] * len(ids), output_versions=[0] * len(ids))  # fmt: skip
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=ids,
+            output_logprobs=[0.0] * len(ids),
+            output_versions=[0] * len(ids),
+        )
 
 
 def without_system_turn(trace: tuple[list[int], list[int]], im_end: int):
@@ -158,8 +164,9 @@ def tool_traces(tokenizer, rows: list[dict], agent=solve) -> list[tuple[list[int
     from arealite.api.io_struct import GenerationHyperparameters
 
     async def one(row):
-        client = TrainingOpenAIClient(ScriptedTeacher(tokenizer), tokenizer,
-                                      GenerationHyperparameters(max_new_tokens=64))  # fmt: skip
+        client = TrainingOpenAIClient(
+            ScriptedTeacher(tokenizer), tokenizer, GenerationHyperparameters(max_new_tokens=64)
+        )
         assert await agent(client, row) == 1.0, row
         td = client.export_samples("concat")
         n = int(td["attention_mask"][0].sum())
@@ -179,8 +186,10 @@ def trace_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int):
     import torch
 
     first = batch[0][0]
-    shared = min(next((i for i, (a, b) in enumerate(zip(first, ids)) if a != b), len(ids))
-                 for ids, _ in batch)  # fmt: skip
+    shared = min(
+        next((i for i, (a, b) in enumerate(zip(first, ids)) if a != b), len(ids))
+        for ids, _ in batch
+    )
     shared = min(shared, *(mask.index(1) - 1 for _, mask in batch))  # no trained token in it
     cache = model(input_ids=torch.tensor([first[:shared]]), use_cache=True).past_key_values
     for layer in cache.layers:
@@ -225,12 +234,16 @@ def sft(a: argparse.Namespace) -> None:
     tok = tool_model_dir(a.base, a.out)
 
     def rows(n: int, seed: int) -> list[dict]:
-        return [{"messages": [{"role": "user", "content": f"{e}="}], "answer": str(v)}
-                for e, v in generate_arith_problems(n, seed, "train", **TASK)]  # fmt: skip
+        return [
+            {"messages": [{"role": "user", "content": f"{e}="}], "answer": str(v)}
+            for e, v in generate_arith_problems(n, seed, "train", **TASK)
+        ]
 
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    drills = [without_system_turn(t, im_end)
-              for t in tool_traces(tok, rows(a.copy_steps * a.copy_batch_size, a.seed + 1))]  # fmt: skip
+    drills = [
+        without_system_turn(t, im_end)
+        for t in tool_traces(tok, rows(a.copy_steps * a.copy_batch_size, a.seed + 1))
+    ]
     traces = tool_traces(tok, rows(a.steps * a.batch_size, a.seed))
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_pretrained(a.out, dtype=torch.float32)

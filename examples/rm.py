@@ -43,8 +43,10 @@ def preference_rows(cfg) -> list[dict]:
     if sampled:
         logging.getLogger("arealite.rm").info(
             "%s: %.0f%% of %d pairs reject the sampling model's own wrong answer",
-            cfg.split, 100 * sampled, len(rows),
-        )  # fmt: skip
+            cfg.split,
+            100 * sampled,
+            len(rows),
+        )
     return rows
 
 
@@ -64,8 +66,9 @@ def main(argv: list[str]) -> None:
     lm_head = config.model.head in LM_HEADS
     engine = (FSDPImplicitRewardModel if lm_head else FSDPRewardModel)(config.model)
     ref = engine.reference_path if lm_head else None
-    train_loader = pair_loader(config.train_dataset, rank, world, tokenizer, config.seed,
-                               reference=ref)  # fmt: skip
+    train_loader = pair_loader(
+        config.train_dataset, rank, world, tokenizer, config.seed, reference=ref
+    )
     valid = None
     if config.valid_dataset is not None:
         valid = pair_loader(config.valid_dataset, rank, world, tokenizer, 0, False, ref)
@@ -75,9 +78,15 @@ def main(argv: list[str]) -> None:
         return sum(s["accuracy"] * s["n_pairs"] for s in stats) / sum(s["n_pairs"] for s in stats)
 
     summary = train_supervised(
-        config, engine, tokenizer, train_loader, engine.train_rm,
-        held_out_accuracy if valid is not None else None, "eval/pair_accuracy", eval_last=True,
-    )  # fmt: skip
+        config,
+        engine,
+        tokenizer,
+        train_loader,
+        engine.train_rm,
+        held_out_accuracy if valid is not None else None,
+        "eval/pair_accuracy",
+        eval_last=True,
+    )
     if summary and valid is not None:
         print(f"held-out pair accuracy: {summary['last'].get('eval/pair_accuracy')}", flush=True)
 

@@ -41,20 +41,28 @@ def main(argv: list[str], load_processor=None) -> None:
     if load_processor is None and is_vision_dataset(config.train_dataset.path, processor_path):
         load_processor = load_vlm_processor
     processor = load_processor(processor_path) if load_processor else None
-    train_loader = sft_loader(config.train_dataset, rank, world, tokenizer, config.seed,
-                              processor=processor)  # fmt: skip
+    train_loader = sft_loader(
+        config.train_dataset, rank, world, tokenizer, config.seed, processor=processor
+    )
     valid_loader = None
     if config.valid_dataset is not None:
-        valid_loader = sft_loader(config.valid_dataset, rank, world, tokenizer, 0, shuffle=False,
-                                  processor=processor)  # fmt: skip
+        valid_loader = sft_loader(
+            config.valid_dataset, rank, world, tokenizer, 0, shuffle=False, processor=processor
+        )
     engine = FSDPLMEngine(config.model)
 
     def validation_loss() -> float:
         losses = [engine.evaluate_lm(b) for b in valid_loader]
         return float(sum(losses) / max(len(losses), 1))
 
-    train_supervised(config, engine, tokenizer, train_loader, engine.train_lm,
-                     validation_loss if valid_loader is not None else None)  # fmt: skip
+    train_supervised(
+        config,
+        engine,
+        tokenizer,
+        train_loader,
+        engine.train_lm,
+        validation_loss if valid_loader is not None else None,
+    )
 
 
 if __name__ == "__main__":
