@@ -10,8 +10,9 @@ import pytest
 import workflow_rewards
 
 from arealite.api.cli_args import ConfigError, InferenceEngineConfig
+from arealite.api.reward_api import FailFast
+from arealite.reward.errors import RewardErrors, RewardFailFastError
 from arealite.reward.pool import RewardPool
-from arealite.utils.reward_errors import FailFast, RewardErrors, RewardFailFastError
 
 
 def _boom(i: int) -> ValueError:

@@ -45,7 +45,7 @@ from arealite.api.launch_config import (
     SlurmConfig,
 )
 from arealite.api.presets import ACTOR_PRESETS
-from arealite.api.reward_api import reward_specs
+from arealite.api.reward_api import FailFast, reward_specs
 from arealite.api.train_config import (
     FSDPConfig,
     MicroBatchSpec,
@@ -54,7 +54,6 @@ from arealite.api.train_config import (
     PPOCriticConfig,
     TrainEngineConfig,
 )
-from arealite.utils.reward_errors import FailFast
 
 __all__ = [
     "MISSING",
@@ -214,7 +213,7 @@ class InferenceEngineConfig(ConfigBase):
             )
 
     def reward_fail_fast(self) -> FailFast:
-        """When the run's reward pools give up on a broken reward (arealite/utils/reward_errors.py)."""
+        """When the run's reward pools give up on a broken reward (arealite/reward/errors.py)."""
         return FailFast(
             self.reward_fail_fast_steps, self.max_reward_error_rate, self.reward_error_window
         )

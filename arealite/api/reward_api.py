@@ -99,3 +99,18 @@ def reward_specs(reward: Any, weights: Any) -> list[tuple[str, float]]:
             f"reward_weights has {len(weights)} entries for {len(specs)} rewards {specs}"
         )
     return list(zip(specs, (float(w) for w in weights)))
+
+
+@dataclass(frozen=True)
+class FailFast:
+    """When a RewardPool gives up on a broken reward (the rules: arealite/reward/errors.py)."""
+
+    steps: int = 1  # this many steps in a row in which every call failed: stop (0 = off)
+    max_error_rate: float = 0.5  # more than this fraction of the last `window` failed: stop
+    window: int = 256
+
+    def __post_init__(self):
+        if self.steps < 0 or self.window < 1 or not 0.0 <= self.max_error_rate <= 1.0:
+            raise ValueError(
+                f"FailFast needs steps >= 0, window >= 1, 0 <= max_error_rate <= 1; got {self}"
+            )

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from arealite.recipes.grpo_run import GRPORun, dataloader, reward_of, reward_pool_of
+from arealite.reward.errors import RewardFailFastError
 from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.rollout.record import RecordedBatches
 from arealite.rollout.server_load import ServerLoadMeter
-from arealite.utils.reward_errors import RewardFailFastError
 
 REWARD_IN_POOL = None  # a workflow's `reward_fn`: the reward runs in its `reward_pool` instead
 UNBOUNDED = 10**6  # a staleness bound no run reaches
@@ -68,7 +68,7 @@ class ServerRollouts:
 
     def next_batch(self, step: int):
         """(batch, the dataset rows of its episodes). A step in which every reward call failed
-        raises RewardFailFastError here, before it is trained on (reward_errors.py)."""
+        raises RewardFailFastError here, before it is trained on (arealite/reward/errors.py)."""
         batch, rows = self._rollout()
         if self.reward_pool is not None:
             try:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from arealite.utils.reward_errors import FailFast, RewardErrors
+from arealite.api.reward_api import FailFast
+from arealite.reward.errors import RewardErrors
 
 logger = logging.getLogger("arealite.reward")
 
@@ -137,7 +138,7 @@ class RewardPool:
     returns a float (`await pool.many(calls)`: a list, for a group); a timeout, an exception or
     a non-finite value (NaN, inf, not a number) returns `default` (0.0) and is counted in
     `stats` (timeouts / errors) and logged once per kind with a count; with `fail_fast`, a
-    reward that plainly never works raises RewardFailFastError instead (reward_errors.py), so
+    reward that plainly never works raises RewardFailFastError instead (errors.py), so
     the run stops."""
 
     def __init__(
@@ -284,7 +285,7 @@ class RewardPool:
 
     def end_step(self, what: str = "step") -> None:
         """The trainer's step boundary: raises RewardFailFastError when every call of the step
-        failed (the rule: arealite/utils/reward_errors.py)."""
+        failed (the rule: arealite/reward/errors.py)."""
         self.errors.end_step(what)
 
     def worker_pids(self) -> list[int]:

@@ -19,11 +19,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from arealite.api.reward_api import CONTRACT_ARGS, RewardSpecError, reward_specs
+from arealite.api.reward_api import CONTRACT_ARGS, FailFast, RewardSpecError, reward_specs
 from arealite.reward.pool import RewardPool
 from arealite.reward.reward_model import RewardModelScorer
 from arealite.tasks.registry import REWARD_NAMES, builtin_reward
-from arealite.utils.reward_errors import FailFast
 
 COUNTERS = ("calls", "ok", "timeouts", "errors")
 

@@ -20,7 +20,8 @@ import logging
 import threading
 import traceback
 from collections import Counter, deque
-from dataclasses import dataclass
+
+from arealite.api.reward_api import FailFast
 
 logger = logging.getLogger("arealite.reward")
 
@@ -28,21 +29,6 @@ logger = logging.getLogger("arealite.reward")
 class RewardFailFastError(RuntimeError):
     """The reward failed too often: the message has the spec, the counts by kind and the first
     traceback. Raised from the reward call, so the episode fails and the run stops."""
-
-
-@dataclass(frozen=True)
-class FailFast:
-    """When a RewardPool gives up on its reward (see the module docstring)."""
-
-    steps: int = 1  # this many steps in a row in which every call failed: stop (0 = off)
-    max_error_rate: float = 0.5  # more than this fraction of the last `window` failed: stop
-    window: int = 256
-
-    def __post_init__(self):
-        if self.steps < 0 or self.window < 1 or not 0.0 <= self.max_error_rate <= 1.0:
-            raise ValueError(
-                f"FailFast needs steps >= 0, window >= 1, 0 <= max_error_rate <= 1; got {self}"
-            )
 
 
 def _is_log_point(n: int) -> bool:
