@@ -117,8 +117,8 @@ class _Generation:
         """Why wait: at interpreter exit concurrent.futures' own hook (it runs right after ours)
         writes to the manager thread's wake-up pipe without a lock; a manager thread still
         closing that pipe makes the write fail, and Python prints "Exception ignored in:
-        <module 'threading'> ... OSError: [Errno 9] Bad file descriptor" (issue 42). With the
-        workers dead the thread ends in milliseconds. Not from the thread itself: a call's
+        <module 'threading'> ... OSError: [Errno 9] Bad file descriptor", which a user reads as
+        a crash. With the workers dead the thread ends in milliseconds. Not from the thread itself: a call's
         done-callback runs there and may kill a retired generation."""
         manager = self._manager
         if manager is None or manager is threading.current_thread():
