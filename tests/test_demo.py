@@ -1,7 +1,7 @@
 """`make demo` end to end, shortened: examples/run_arith_demo.sh through the local
 launcher (SFT, then GRPO with the embedded server and a reward pool), a few steps each. A normal
-run must exit 0 and print no traceback and no "Exception ignored" block anywhere: a user reads
-one at the end of a run as "it crashed"."""
+run must exit 0 and print no traceback, no "Exception ignored" block and no Python warning
+anywhere: a user reads one at the end of a run as "it crashed", and a warning block as trouble."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALARMS = ("Traceback", "Exception ignored")
+ALARMS = ("Traceback", "Exception ignored", "Warning: ")  # the last: Python warnings
 
 SFT_ARGS = "total_train_steps=3 train_dataset.batch_size=16"
 # Few steps, a small held-out set; the demo's settings otherwise (dynamic sampling included).
@@ -47,7 +47,8 @@ def run_demo(root: str, tiny_model: str) -> tuple[subprocess.CompletedProcess, f
 
 
 def alarms_in(name: str, text: str) -> list[str]:
-    """`name: line` for each line of `text` that carries a traceback or an ignored exception."""
+    """`name: line` for each line of `text` that carries a traceback, an ignored exception or a
+    Python warning."""
     return [f"{name}: {line}" for line in text.splitlines() if any(a in line for a in ALARMS)]
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -204,7 +203,7 @@ class BaseHFEngine(TrainEngine):
         if ok:
             self.optimizer.step()
         else:
-            warnings.warn(f"non-finite grad norm {grad_norm}: optimizer step skipped", stacklevel=2)
+            logger.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens, n_seqs = du.all_reduce_sum(
             [loss_sum, float(input_["attention_mask"].sum()), float(input_.batch_size[0])]
@@ -221,7 +220,7 @@ class BaseHFEngine(TrainEngine):
         )
 
     def _skipped(self, why: str) -> dict[str, float]:
-        warnings.warn(f"train_batch skipped: {why}", stacklevel=3)
+        logger.warning("train_batch skipped: %s", why)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
         return dict(loss=0.0, grad_norm=0.0, lr=lr, update_successful=0.0, n_tokens=0.0, n_seqs=0.0)
 

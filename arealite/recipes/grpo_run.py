@@ -26,7 +26,7 @@ from arealite.reward import make_reward_pool
 from arealite.rollout.record import EpisodeRecorder, RecordedBatches
 from arealite.server.colocated import ColocatedEngine, ColocatedGenerator
 from arealite.tasks import default_reward, is_vision_dataset, load_rows
-from arealite.trainer.recover import ResumableSampler
+from arealite.trainer.supervised import rank_loader
 from arealite.utils import distributed as du
 from arealite.utils.vision import load_vlm_processor
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -109,15 +109,7 @@ def dataloader(cfg, rank, world, tokenizer, split=None, shuffle=None, seed=0, pr
     """This rank's share of a dataset, in rows (the workflow tokenizes)."""
     cfg = cfg if split is None else dataclasses.replace(cfg, split=split)
     ds = load_rows(cfg, rank, world, "rl", tokenizer, processor)
-    order = ResumableSampler(len(ds), cfg.shuffle if shuffle is None else shuffle, seed)
-    batch_size = max(1, cfg.batch_size // world)
-    return StatefulDataLoader(
-        ds,
-        batch_size=batch_size,
-        collate_fn=lambda rows: rows,
-        sampler=order,
-        drop_last=cfg.drop_last,
-    )
+    return rank_loader(cfg, ds, world, seed, collate=lambda rows: rows, shuffle=shuffle)
 
 
 def resolve_workflow(config, tokenizer, workflow_cls, load_processor):

@@ -9,6 +9,7 @@ its held-out metric. Imports arealite.api and arealite.utils only (and the train
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +40,15 @@ def rank_loader(cfg, rows, world: int, seed: int, collate, shuffle=None) -> Stat
     """A resumable loader over this rank's `rows`: `cfg.batch_size` is the global batch, so each
     of the `world` ranks takes `cfg.batch_size // world` rows a step (at least one)."""
     order = ResumableSampler(len(rows), cfg.shuffle if shuffle is None else shuffle, seed)
-    return StatefulDataLoader(
-        rows,
-        batch_size=max(1, cfg.batch_size // world),
-        drop_last=cfg.drop_last,
-        sampler=order,
-        collate_fn=collate,
-    )
+    with warnings.catch_warnings():  # torchdata calls torch.set_vital, deprecated in torch 2.10
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning)
+        return StatefulDataLoader(
+            rows,
+            batch_size=max(1, cfg.batch_size // world),
+            drop_last=cfg.drop_last,
+            sampler=order,
+            collate_fn=collate,
+        )
 
 
 def train_supervised(
