@@ -139,3 +139,20 @@ def test_the_trainer_estimate_is_within_20_percent_of_the_measured_peak():
     assert [r["case"] for r in recs] == ["checkpointing", "logits"]
     for r in recs:
         assert 0.8 <= r["plan_over_measured"] <= 1.2, r
+
+
+def test_a_tensor_group_is_planned_as_one():
+    """d1t2 is one data-parallel replica over two ranks: the same batch per rank as d1t1, the
+    parameters and optimizer states halved, and the plan says dp 1 x tp 2."""
+    shape = ModelShape.from_hf_config(QWEN15)
+
+    def plan(mode):
+        config = gsm8k(f"allocation_mode={mode}", "cluster.n_gpus_per_node=3")
+        return plan_memory(config, shape, None)
+
+    t1, t2 = plan("sglang.d1p1t1+d1p1t1"), plan("sglang.d1p1t1+d1p1t2")
+    assert t2.setup.mb_tokens == t1.setup.mb_tokens and t2.setup.dp == 1
+    for term in ("optimizer", "grads"):
+        assert t2.trainer[term] == pytest.approx(t1.trainer[term] / 2)
+    assert t2.trainer["logits"] < t1.trainer["logits"]  # vocabulary-parallel
+    assert "dp 1 x tp 2" in t2.describe() and "tp" not in t1.describe().split("\n")[1]

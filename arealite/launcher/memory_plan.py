@@ -2,15 +2,16 @@
 
 An out-of-memory error after the servers and the model have loaded costs a user minutes and says
 little; the same arithmetic from the model's config.json costs nothing. Per trainer rank, with
-P parameters sharded over the `dp` data-parallel ranks (FSDP2):
-  weights    P x master bytes / dp (actor.dtype), plus the gathered compute-dtype copies
-             FSDP holds (the root's embeddings and two decoder layers) when they differ
-  optimizer  AdamW's 2 states in the master dtype, / dp
-  grads      P x master bytes / dp
+P parameters sharded over the dp x tp ranks (FSDP2 over dp, DTensor tensor parallelism over tp):
+  weights    P x master bytes / (dp x tp) (actor.dtype), plus the gathered compute-dtype copies
+             FSDP holds (the root's embeddings and two decoder layers, / tp) when they differ
+  optimizer  AdamW's 2 states in the master dtype, / (dp x tp)
+  grads      P x master bytes / (dp x tp)
   activations per micro-batch of T tokens (actor.mb_spec.max_tokens_per_mb, or the longest
              sequence): every decoder layer's saved tensors, or only its input with
-             gradient checkpointing (plus one layer recomputed)
-  logits     the [T, vocab] logits and their gradient in the compute dtype, plus the fp32
+             gradient checkpointing (plus one layer recomputed); at tp > 1 the heads and the
+             MLP's intermediate width are split, the hidden-wide tensors are not
+  logits     the [T, vocab / tp] logits and their gradient in the compute dtype, plus the fp32
              softmax chunks of arealite/utils/logprobs.py
 The peak is weights + optimizer + runtime + max(activations + logits, grads + the optimizer
 step's temporaries): the saved activations are freed as the gradients fill. The server holds
@@ -100,12 +101,13 @@ class TrainSetup:
 
     master_bytes: int
     compute_bytes: int
-    dp: int
+    dp: int  # data-parallel ranks: the batch is split over them
     grad_ckpt: bool
     mb_tokens: int
     trainable: bool = True  # False: LoRA (adapters only: no full grads or optimizer states)
     cuda: bool = True
     head: int = 0  # output width: 0 = the vocabulary; 1 = a value head (critic, reward model)
+    tp: int = 1  # tensor-parallel ranks: heads, MLP columns and the vocabulary are split
 
 
 def activation_bytes(shape: ModelShape, s: TrainSetup) -> float:
@@ -113,7 +115,7 @@ def activation_bytes(shape: ModelShape, s: TrainSetup) -> float:
     norms' outputs, q/k/v after rotary, the attention output, the MLP's gate, up, SiLU and
     product (9 hidden + 2 kv + 4 intermediate wide); bf16 norms also keep fp32 copies."""
     cb = s.compute_bytes
-    per_layer = (9 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * cb
+    per_layer = (9 * shape.hidden + (2 * shape.kv_dim + 4 * shape.intermediate) / s.tp) * cb
     per_layer += 0 if cb >= 4 else 8 * shape.hidden
     kept = (
         shape.hidden * cb * shape.layers + 2 * per_layer
@@ -124,17 +126,17 @@ def activation_bytes(shape: ModelShape, s: TrainSetup) -> float:
 
 
 def logits_bytes(shape: ModelShape, s: TrainSetup) -> float:
-    width = s.head or shape.vocab
+    width = s.head or shape.vocab / s.tp
     chunks = LOGPROB_BUFFERS * min(LOGPROB_CHUNK, s.mb_tokens) * width * 4 if not s.head else 0
     return 2 * s.mb_tokens * width * s.compute_bytes + chunks
 
 
 def trainer_terms(shape: ModelShape, s: TrainSetup) -> dict[str, float]:
     """Bytes of each term of one trainer rank (see the module docstring); 'peak' combines them."""
-    p_shard = shape.params / s.dp
+    p_shard = shape.params / (s.dp * s.tp)
     gathered = 0.0
     if s.dp > 1 or s.compute_bytes != s.master_bytes:
-        gathered = (shape.root_params + 2 * shape.layer_params) * s.compute_bytes
+        gathered = (shape.root_params + 2 * shape.layer_params) * s.compute_bytes / s.tp
     largest = max(shape.vocab * shape.hidden, shape.layer_params) * s.master_bytes
     step_tmp = p_shard * s.master_bytes if s.cuda else 2 * largest  # foreach vs per-tensor
     t = {
@@ -210,7 +212,8 @@ def sequence_tokens(config) -> int:
 def train_setup(config, engine, cuda: bool) -> TrainSetup:
     """`engine` (actor, critic, model) of `config` as a TrainSetup: its micro-batch is
     mb_spec.max_tokens_per_mb (at least one whole sequence), else its rank's whole batch."""
-    dp = config.allocation.train_world_size
+    tp = config.allocation.train.tensor_parallel_size
+    dp = config.allocation.train_world_size // tp
     seq = sequence_tokens(config)
     per_step = config.train_dataset.batch_size * getattr(
         getattr(config, "gconfig", None), "n_samples", 1
@@ -226,6 +229,7 @@ def train_setup(config, engine, cuda: bool) -> TrainSetup:
         trainable=engine.lora is None and engine.optimizer is not None,
         cuda=cuda,
         head=1 if engine.is_critic else 0,
+        tp=tp,
     )
 
 
@@ -315,7 +319,7 @@ class MemoryPlan:
         lines = [
             f"memory plan (GiB): {size} parameters (vocab "
             f"{self.shape.vocab}, {self.shape.layers} layers x {self.shape.hidden})",
-            f"  trainer rank (dp {s.dp}, micro-batch {s.mb_tokens} tokens, {s.master_bytes}"
+            f"  trainer rank (dp {s.dp}{f' x tp {s.tp}' if s.tp > 1 else ''}, micro-batch {s.mb_tokens} tokens, {s.master_bytes}"
             f"-byte master / {s.compute_bytes}-byte compute, checkpointing "
             f"{'on' if s.grad_ckpt else 'off'}): {_terms(t)}",
         ]
