@@ -1,4 +1,4 @@
-"""Training-loop services: stats tracker, stats logger, progress line, frequency control,
+"""Training-loop services: phase timings, stats logger, progress line, frequency control,
 saver and evaluator."""
 
 from __future__ import annotations
@@ -15,105 +15,33 @@ import torch.multiprocessing as mp
 
 from arealite.api.cli_args import EvaluatorConfig, SaverConfig, StatsLoggerConfig
 from arealite.api.io_struct import FinetuneSpec, SaveLoadMeta
-from arealite.trainer import stats_tracker
+from arealite.trainer import timings
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.plotting import read_metrics_jsonl
 from arealite.trainer.progress import ProgressLine, find_stat, format_progress
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
-from arealite.trainer.stats_tracker import StatsTracker
 from arealite.trainer.timer import EpochStepTimeFreqCtl
 from arealite.utils.network import find_free_port
 
-# ----------------------------------------------------------------------------- stats tracker
+# ----------------------------------------------------------------------------- phase timings
 
 
-def _record(tracker: StatsTracker, seed: int, n_calls: int = 3) -> list[tuple]:
-    """Record random masked stats; returns the raw (mask, values, scalar) for checking."""
-    g = torch.Generator().manual_seed(seed)
-    raw = []
-    for _ in range(n_calls):
-        mask = torch.rand(4, 7, generator=g) < 0.6
-        kl = torch.randn(4, 7, generator=g)
-        lr = float(torch.rand(1, generator=g))
-        with tracker.scope("actor"), tracker.scope("update"):
-            tracker.denominator(n_tokens=mask)
-            tracker.stat(kl=kl, denominator="n_tokens")
-            tracker.stat(kl_sum=kl, denominator="n_tokens", reduce_type="sum")
-            tracker.scalar(lr=lr)
-        raw.append((mask, kl, lr))
-    return raw
+def test_phase_timings_are_exported_once_as_means():
+    with timings.record_timing("step"):
+        time.sleep(0.02)
+    with timings.record_timing("step"):
+        pass
+    out = timings.export()
+    assert set(out) == {"timeperf/step"} and 0.01 <= out["timeperf/step"] < 1.0
+    assert timings.export() == {}  # export forgets
 
 
-def _expected(raw: list[tuple]) -> dict[str, float]:
-    sel = torch.cat([kl[m] for m, kl, _ in raw])
-    lrs = [lr for *_, lr in raw]
-    return {
-        "actor/update/n_tokens": float(sum(m.sum() for m, *_ in raw)),
-        "actor/update/kl/avg": sel.double().mean().item(),
-        "actor/update/kl/min": sel.min().item(),
-        "actor/update/kl/max": sel.max().item(),
-        "actor/update/kl_sum": sel.double().sum().item(),
-        "actor/update/lr": sum(lrs) / len(lrs),
-    }
-
-
-def _assert_close(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for k in want:
-        assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
-
-
-def test_masked_means_over_calls_and_reset():
-    tracker = StatsTracker()
-    raw = _record(tracker, seed=0)
-    _assert_close(tracker.export(), _expected(raw))
-    assert tracker.export() == {}  # export resets
-
-
-def test_module_level_tracker_and_timing():
-    with stats_tracker.scope("ppo"):
-        stats_tracker.denominator(mask=torch.tensor([True, False, True]))
-        stats_tracker.stat(reward=torch.tensor([1.0, 100.0, 0.0]), denominator="mask")
-        with stats_tracker.record_timing("step"):
-            time.sleep(0.01)
-    out = stats_tracker.export()
-    assert out["ppo/mask"] == 2 and out["ppo/reward/avg"] == 0.5 and out["ppo/reward/max"] == 1
-    assert 0.01 <= out["ppo/timeperf/step"] < 1.0
-    assert stats_tracker.get("critic") is stats_tracker.get("critic")
-
-
-def test_empty_mask_reports_count_zero_and_no_mean():
-    t = StatsTracker()
-    t.denominator(m=torch.zeros(3, dtype=torch.bool))
-    t.stat(x=torch.ones(3), denominator="m")
-    assert t.export() == {"m": 0.0}
-
-
-def test_tracker_errors_name_the_problem():
-    t = StatsTracker()
-    with pytest.raises(KeyError, match="'ppo/mask' was not recorded"):
-        with t.scope("ppo"):
-            t.stat(x=torch.ones(3), denominator="mask")
-    t.denominator(mask=torch.ones(3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"shape \(4,\).*\(3,\)"):
-        t.stat(x=torch.ones(4), denominator="mask")
-    with pytest.raises(TypeError, match="bool tensor"):
-        t.denominator(mask=torch.ones(3))
-    with pytest.raises(ValueError, match="reduce_type"):
-        t.stat(x=torch.ones(3), denominator="mask", reduce_type="median")
-
-
-def _reduce_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _freq_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        tracker = StatsTracker()
-        _record(tracker, seed=rank, n_calls=rank + 1)  # ranks record different amounts
-        if rank == 1:
-            tracker.scalar(only_rank1=5.0)
-        result = tracker.export(reduce_group=dist.group.WORLD)
         # Time-based frequency control follows rank 0 even when clocks disagree.
         ctl = EpochStepTimeFreqCtl(freq_sec=5)
         ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 * rank})
@@ -121,19 +49,16 @@ def _reduce_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 - rank})
         fired_when_rank0_due = ctl.check(steps=1)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump([result, fired_when_rank0_not_due, fired_when_rank0_due], f)
+            json.dump([fired_when_rank0_not_due, fired_when_rank0_due], f)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.integration
-def test_two_rank_gloo_reduce_matches_one_process(tmp_path):
-    mp.spawn(_reduce_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
-    raw = _record(StatsTracker(), seed=0, n_calls=1) + _record(StatsTracker(), seed=1, n_calls=2)
-    want = {**_expected(raw), "only_rank1": 5.0}
+def test_time_based_frequency_follows_rank_0_on_every_rank(tmp_path):
+    mp.spawn(_freq_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        result, not_due, due = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        _assert_close(result, want)
+        not_due, due = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (not_due, due) == (False, True)
 
 

@@ -19,7 +19,7 @@ from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.ppo.critic import FSDPPPOCritic
 from arealite.recipes.grpo_run import GRPORun
 from arealite.recipes.rollouts import Evaluation, RecordedRollouts, ServerRollouts
-from arealite.trainer import stats_tracker
+from arealite.trainer import timings
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler
@@ -122,7 +122,7 @@ class GRPOTrainer:
     def rollout(self, global_step: int):
         """The step's batch: async (staleness-bounded, overlaps training), sync (eta = 0) or
         recorded. Which items it trains on is logged (and recorded with rollout.record)."""
-        with stats_tracker.record_timing("rollout"):
+        with timings.record_timing("rollout"):
             batch, rows = self.rollouts.next_batch(global_step)
         log_trained_items(self.trained_log, global_step, rows)
         if self.run.recorder is not None:
@@ -136,9 +136,9 @@ class GRPOTrainer:
         own forward (or recomputes it)."""
         actor, critic, ref = self.actor, self.models.critic, self.models.ref
         if ref is not None:
-            with stats_tracker.record_timing("compute_logp"):
+            with timings.record_timing("compute_logp"):
                 batch["ref_logp"] = ref.compute_logp(batch)
-        with stats_tracker.record_timing("train_step"):
+        with timings.record_timing("train_step"):
             if critic is not None:  # values before the update feed GAE and anchor the clip
                 batch["values"] = critic.compute_values(batch)
             adv_stats = actor.compute_advantages(batch)
@@ -160,7 +160,7 @@ class GRPOTrainer:
     def publish_weights(self, version: int) -> None:
         """The servers load the actor's weights tagged `version` (new episodes wait meanwhile;
         evaluation clients then refuse a server with older ones)."""
-        with stats_tracker.record_timing("update_weights"):
+        with timings.record_timing("update_weights"):
             self._push_weights(version)
 
     def _push_weights(self, version: int) -> None:
@@ -188,7 +188,7 @@ class GRPOTrainer:
 
     def log(self, global_step: int, stats: dict) -> None:
         """The step's metrics: `stats`, the timings and the rollouts' counters."""
-        stats.update(stats_tracker.export())
+        stats.update(timings.export())
         stats.update(self.rollouts.stats())
         self.logger.commit(
             *divmod(global_step, self.run.ft_spec.steps_per_epoch), global_step, stats
@@ -236,10 +236,10 @@ def record_rollouts(run: GRPORun) -> None:
         config.stats_logger, config.run_dir, ft_spec, total_steps=total_steps, exp_config=config
     )
     for global_step in range(total_steps):
-        with stats_tracker.record_timing("rollout"):
+        with timings.record_timing("rollout"):
             batch, rows = rollouts.next_batch(global_step)
         stats = {"rollout/episodes_recorded": run.recorder.write(global_step, batch, rows)}
-        stats.update(stats_tracker.export())
+        stats.update(timings.export())
         stats.update(rollouts.stats())
         logger.commit(*divmod(global_step, ft_spec.steps_per_epoch), global_step, stats)
     logger.close()

@@ -18,7 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from arealite.api.io_struct import FinetuneSpec
 from arealite.lifecycle.run_lock import claim_run_dir
-from arealite.trainer import stats_tracker
+from arealite.trainer import timings
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
@@ -100,7 +100,7 @@ def train_supervised(
         except StopIteration:
             data_iter = iter(train_loader)
             batch = next(data_iter)
-        with stats_tracker.record_timing("train_step"):
+        with timings.record_timing("train_step"):
             stats = train_step(batch)
             engine.step_lr_scheduler()
         engine.set_version(global_step + 1)
@@ -110,7 +110,7 @@ def train_supervised(
             value = evaluator.evaluate(evaluate, epoch, step, global_step, force=force)
             if value is not None:
                 stats[eval_key] = value
-        stats.update(stats_tracker.export())
+        stats.update(timings.export())
         logger.commit(epoch, step, global_step, stats)
         recover.dump(global_step + 1)
 
