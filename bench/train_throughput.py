@@ -114,8 +114,8 @@ def make_engine(model_dir: str, max_tokens: int | None, bucket_mb: int = 256, at
 
 def padded_step(engine, batch, mb_size: int) -> None:
     """The padded baseline: same model, loss normalisation, clipping and optimizer."""
-    from arealite.utils.fsdp import clip_grad_norm_
-    from arealite.utils.logprobs import gather_logprobs
+    from arealite.engine.fsdp import clip_grad_norm_
+    from arealite.engine.logprobs import gather_logprobs
 
     total = (batch["loss_mask"][:, 1:].bool() & batch["attention_mask"][:, 1:]).sum()
     engine.optimizer.zero_grad(set_to_none=True)

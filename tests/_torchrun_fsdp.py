@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from arealite.api.cli_args import FSDPConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from arealite.engine.fsdp import iter_full_buckets, plan_buckets
 from arealite.utils.data import pad_sequences_to_tensors
-from arealite.utils.fsdp import iter_full_buckets, plan_buckets
 
 VOCAB = 600  # below the tiny model's vocabulary size
 

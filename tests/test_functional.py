@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arealite.engine.logprobs import gather_logprobs, gather_logprobs_entropy
 from arealite.engine.ppo.advantages import (
     compute_gae,
     compute_gae_packed,
@@ -32,7 +33,6 @@ from arealite.engine.ppo.masked_stats import (
     masked_var,
     sequence_masked_mean,
 )
-from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
 
 F64 = torch.float64
 TOL = dict(atol=1e-6, rtol=1e-6)

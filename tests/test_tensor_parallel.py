@@ -166,9 +166,9 @@ def test_vocab_parallel_logprobs_equal_the_chunked_reference(build_engine, tiny_
     are the torchrun tests'): values and gradients of logp + entropy equal gather_logprobs's."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from arealite.engine.logprobs import gather_logprobs_entropy
     from arealite.engine.tensor_parallel import vocab_parallel, vocab_parallel_logprobs
     from arealite.utils import distributed as du
-    from arealite.utils.logprobs import gather_logprobs_entropy
 
     du.init_distributed()
     try:

@@ -32,6 +32,7 @@ from arealite.api.cli_args import TrainEngineConfig
 from arealite.api.engine_api import TrainEngine
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
 from arealite.engine.batch_validation import validate_model_batch
+from arealite.engine.fsdp import clip_grad_norm_, torch_dtype
 from arealite.engine.micro_batches import dummy_mb, split_across_ranks
 from arealite.engine.packing import (
     SharedPrompts,
@@ -44,7 +45,6 @@ from arealite.engine.tensor_parallel import local_view
 from arealite.engine.vlm_inputs import vlm_forward_mb
 from arealite.utils import distributed as du
 from arealite.utils.data import MicroBatchList, pack_tensor_dict
-from arealite.utils.fsdp import clip_grad_norm_, torch_dtype
 from arealite.utils.vision import is_vlm_config
 
 logger = logging.getLogger("arealite.engine")

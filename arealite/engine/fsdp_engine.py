@@ -29,12 +29,12 @@ from arealite.checkpoint.save_load import (
 )
 from arealite.engine.base_hf_engine import BaseHFEngine, logger
 from arealite.engine.dcp_checkpoint import load_dcp, save_dcp
+from arealite.engine.fsdp import iter_full_buckets, plan_buckets
 from arealite.engine.hf_model import load_hf_model
 from arealite.engine.lora import adapter_weights, apply_lora, merge_lora_weights
 from arealite.engine.optimizer import build_optimizer
 from arealite.engine.tensor_parallel import TensorParallelMixin
 from arealite.utils import distributed as du
-from arealite.utils.fsdp import iter_full_buckets, plan_buckets
 from arealite.utils.hardware import resolve_dtype
 from arealite.utils.tensor_handles import serialize_named_tensors
 from arealite.utils.vision import checkpoint_to_module_names

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from arealite.api.cli_args import TrainEngineConfig
+from arealite.engine.fsdp import torch_dtype
 from arealite.engine.vlm_inputs import vlm_attn_implementation
-from arealite.utils.fsdp import torch_dtype
 from arealite.utils.vision import is_vlm_config
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from arealite.engine import tensor_parallel
-from arealite.utils.logprobs import gather_logprobs, gather_logprobs_entropy
+from arealite.engine.logprobs import gather_logprobs, gather_logprobs_entropy
 
 
 def packed_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from arealite.engine.fsdp import apply_fsdp2
+from arealite.engine.logprobs import compute_dtype
 from arealite.utils import distributed as du
 from arealite.utils.data import concat_padded_tensors
-from arealite.utils.fsdp import apply_fsdp2
-from arealite.utils.logprobs import compute_dtype
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -110,7 +110,7 @@ def is_vocab_parallel(logits: torch.Tensor) -> bool:
 
 class _VocabParallelLogprob(torch.autograd.Function):
     """log softmax(z)[y] and entropy, z = logits / temperature sharded over the vocabulary,
-    `chunk` rows at a time (as utils/logprobs.py: at most one fp32 [chunk, V/T] softmax).
+    `chunk` rows at a time (as engine/logprobs.py: at most one fp32 [chunk, V/T] softmax).
 
     Forward: per row, the max (one all-reduce MAX), then sum exp(z - max), the target logit
     (non-zero on its owner only) and sum exp(z - max) * z (one all-reduce SUM). Backward is

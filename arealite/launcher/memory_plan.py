@@ -12,7 +12,7 @@ P parameters sharded over the dp x tp ranks (FSDP2 over dp, DTensor tensor paral
              gradient checkpointing (plus one layer recomputed); at tp > 1 the heads and the
              MLP's intermediate width are split, the hidden-wide tensors are not
   logits     the [T, vocab / tp] logits and their gradient in the compute dtype, plus the fp32
-             softmax chunks of arealite/utils/logprobs.py
+             softmax chunks of arealite/engine/logprobs.py
 The peak is weights + optimizer + runtime + max(activations + logits, grads + the optimizer
 step's temporaries): the saved activations are freed as the gradients fill. The server holds
 SGLang's `server.mem_fraction_static` (weights + KV pool), vLLM's 0.9, or the embedded server's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 GIB = float(1 << 30)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LOGPROB_CHUNK = 1024  # arealite/utils/logprobs.py: rows of fp32 softmax at a time
+LOGPROB_CHUNK = 1024  # arealite/engine/logprobs.py: rows of fp32 softmax at a time
 LOGPROB_BUFFERS = 5  # fp32 [chunk, vocab] buffers alive at once in its backward
 RUNTIME_GIB = 1.0  # per GPU process: CUDA context, cuBLAS / NCCL workspaces, allocator slack
 CPU_RUNTIME_GIB = 40 / 1024  # a CPU trainer's own growth while it builds (imports, gloo): measured

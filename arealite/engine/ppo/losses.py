@@ -20,8 +20,8 @@ from typing import Literal
 
 import torch
 
+from arealite.engine.logprobs import compute_dtype
 from arealite.engine.ppo.masked_stats import masked_mean, packed_seq_ids, sequence_masked_mean
-from arealite.utils.logprobs import compute_dtype
 
 __all__ = ["kl_estimator", "ppo_actor_loss_fn", "ppo_critic_loss_fn"]
 
