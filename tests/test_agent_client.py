@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from arealite.agent import AgentWorkflow, Interaction, InteractionTree, TrainingOpenAIClient
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.openai_wire.request import ChatRequestError
 
@@ -98,7 +98,7 @@ def engine(tool_model_dir):
     from arealite.server.process import launch_server
 
     server = launch_server(tool_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    e = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=4))
+    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=4))
     e.initialize([server.address])
     yield e
     e.destroy()

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from arealite.agent.proxy import AgentProxy
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 
 pytest.importorskip("openai")
@@ -74,7 +74,7 @@ def engine(tiny_model_dir):
     from arealite.server.process import launch_server
 
     server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    e = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=64))
+    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
     e.initialize([server.address])
     yield e
     e.destroy()
@@ -85,7 +85,7 @@ def engine(tiny_model_dir):
 def executor(engine):
     from arealite.rollout import WorkflowExecutor
 
-    ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=64), engine)
+    ex = WorkflowExecutor(RolloutConfig(consumer_batch_size=64), engine)
     ex.initialize()
     yield ex
     ex.destroy()

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from arealite.agent.route import AgentRoute
 from arealite.api.agent_config import AgentConfig
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 
 openai = pytest.importorskip("openai")
@@ -66,9 +66,9 @@ def executor(tiny_model_dir):
     from arealite.server.process import launch_server
 
     server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=64))
+    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
     engine.initialize([server.address])
-    ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=64), engine)
+    ex = WorkflowExecutor(RolloutConfig(consumer_batch_size=64), engine)
     ex.initialize()
     yield ex
     ex.destroy()

@@ -276,7 +276,7 @@ def test_with_every_server_dead_the_client_waits_and_the_restarted_one_gets_the_
     import threading
     import urllib.request
 
-    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.cli_args import RolloutConfig
     from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
     from arealite.inference.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
@@ -285,7 +285,7 @@ def test_with_every_server_dead_the_client_waits_and_the_restarted_one_gets_the_
     shutil.copytree(tiny_model_dir_v2, weights)
     roots = ["--allowed-weight-roots", str(tmp_path), "--allowed-weight-roots", tiny_model_dir]
     server = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
-    engine = RemoteSGLangEngine(InferenceEngineConfig(setup_timeout=120, request_retries=1))
+    engine = RemoteSGLangEngine(RolloutConfig(setup_timeout=120, request_retries=1))
     engine.initialize([server.address])
     g = GenerationHyperparameters(max_new_tokens=1000, greedy=True, ignore_eos=True)
     out: list = []

@@ -18,7 +18,7 @@ from _torchrun_fsdp import engine_config, make_batch
 from test_weight_sync import metrics_and_versions, run_arith_grpo
 from transformers import AutoModelForCausalLM
 
-from arealite.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, OptimizerConfig
+from arealite.api.cli_args import GenerationHyperparameters, OptimizerConfig, RolloutConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.api.lora_config import LoRAConfig
 from arealite.engine.sft.lm_engine import FSDPLMEngine
@@ -30,7 +30,7 @@ PROMPTS = [[5, 9, 13, 2, 7], [11, 4, 4, 8], [3, 17, 6, 21, 9, 1], [5, 9, 13, 2, 
 @pytest.fixture
 def engine(tiny_model_dir):
     gen = ColocatedGenerator.shared(tiny_model_dir, "float32", torch.device("cpu"), 0, 64)
-    eng = ColocatedEngine(InferenceEngineConfig(), gen)
+    eng = ColocatedEngine(RolloutConfig(), gen)
     yield eng
     eng.destroy()
     assert not ColocatedGenerator._shared  # the last user stopped the scheduler

@@ -435,7 +435,7 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
     import asyncio
     import shutil
 
-    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.cli_args import RolloutConfig
     from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
     from arealite.inference.sglang_remote import RemoteSGLangEngine
     from arealite.server.process import launch_server
@@ -445,7 +445,7 @@ def test_a_restarted_server_is_readmitted_with_the_current_weights(
     roots = ["--allowed-weight-roots", str(tmp_path)]
     a = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
     b = launch_server(tiny_model_dir, dtype="float32", extra_args=roots)
-    engine = RemoteSGLangEngine(InferenceEngineConfig(setup_timeout=120, request_retries=1))
+    engine = RemoteSGLangEngine(RolloutConfig(setup_timeout=120, request_retries=1))
     try:
         engine.initialize([a.address, b.address])
         engine.update_weights(WeightUpdateMeta.from_disk(weights, version=3)).result(timeout=60)

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
 from arealite.inference.remote_base import NoServerAvailable, ServerError
 from arealite.inference.sglang_remote import RemoteSGLangEngine
@@ -75,7 +75,7 @@ async def until(cond, timeout: float = 60.0, what: str = "condition"):
 def make_engine(addrs, **kw) -> RemoteSGLangEngine:
     kw.setdefault("api_key", API_KEY)
     kw.setdefault("setup_timeout", 60)
-    engine = RemoteSGLangEngine(InferenceEngineConfig(**kw))
+    engine = RemoteSGLangEngine(RolloutConfig(**kw))
     engine.initialize(addrs)
     return engine
 
@@ -143,7 +143,7 @@ def test_missing_api_key_is_reported(server):
 
 def test_health_check_names_unreachable_server(server):
     dead = f"127.0.0.1:{find_free_port()}"
-    cfg = InferenceEngineConfig(setup_timeout=1.0, api_key=API_KEY)
+    cfg = RolloutConfig(setup_timeout=1.0, api_key=API_KEY)
     engine = RemoteSGLangEngine(cfg)
     with pytest.raises(TimeoutError, match=re.escape(dead)) as info:
         engine.initialize([server.address, dead])
@@ -161,7 +161,7 @@ def test_addresses_from_environment(server, monkeypatch):
         engine.destroy()
     monkeypatch.delenv("AREAL_LLM_SERVER_ADDRS")
     with pytest.raises(ValueError, match="AREAL_LLM_SERVER_ADDRS"):
-        RemoteSGLangEngine(InferenceEngineConfig()).initialize()
+        RemoteSGLangEngine(RolloutConfig()).initialize()
 
 
 def test_interrupted_generation_resumes_across_weight_update(

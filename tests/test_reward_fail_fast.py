@@ -9,7 +9,7 @@ import logging
 import pytest
 import workflow_rewards
 
-from arealite.api.cli_args import ConfigError, InferenceEngineConfig
+from arealite.api.cli_args import ConfigError, RolloutConfig
 from arealite.api.reward_api import FailFast
 from arealite.reward.errors import RewardErrors, RewardFailFastError
 from arealite.reward.pool import RewardPool
@@ -107,9 +107,9 @@ def test_a_real_pool_stops_at_the_end_of_the_step_on_a_reward_that_always_raises
 
 
 def test_config_knobs_are_validated():
-    cfg = InferenceEngineConfig(reward_fail_fast_steps=2, max_reward_error_rate=0.25)
+    cfg = RolloutConfig(reward_fail_fast_steps=2, max_reward_error_rate=0.25)
     assert cfg.reward_fail_fast() == FailFast(2, 0.25, 256)
-    assert InferenceEngineConfig().reward_fail_fast() == FailFast(1, 0.5, 256)
+    assert RolloutConfig().reward_fail_fast() == FailFast(1, 0.5, 256)
     for bad in (
         {"max_reward_error_rate": 1.5},
         {"reward_error_window": 0},
@@ -117,4 +117,4 @@ def test_config_knobs_are_validated():
         {"no_signal_steps": -1},
     ):
         with pytest.raises(ConfigError, match="rollout."):
-            InferenceEngineConfig(**bad)
+            RolloutConfig(**bad)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.server.protocol import BadRequest
 from arealite.server.sglang_schema import MODELS, parse_body
@@ -84,7 +84,7 @@ def test_the_server_answers_400_naming_the_missing_body_and_keeps_serving(server
 
 @pytest.mark.integration
 def test_the_client_pauses_and_continues_with_sglangs_bodies(server):
-    engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=1, setup_timeout=60))
+    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=1, setup_timeout=60))
     engine.initialize([server.url.removeprefix("http://")])
     try:
         engine.pause_generation()

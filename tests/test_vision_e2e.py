@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
 from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.rollout import WorkflowExecutor
@@ -41,9 +41,7 @@ def server(tiny_vlm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(server):
-    e = RemoteSGLangEngine(
-        InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=10**6)
-    )
+    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=2, max_head_offpolicyness=10**6))
     e.initialize([server.address])
     executor = WorkflowExecutor(e.config, e)
     executor.initialize()

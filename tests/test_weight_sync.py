@@ -16,7 +16,7 @@ import pytest
 import requests
 from _torchrun_fsdp import engine_config, make_batch
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
 from arealite.inference.sglang_remote import RemoteSGLangEngine
@@ -38,7 +38,7 @@ def greedy(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 
 def client(url: str) -> WorkflowExecutor:
-    engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=1, setup_timeout=60))
+    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=1, setup_timeout=60))
     engine.initialize([url.removeprefix("http://")])
     executor = WorkflowExecutor(engine.config, engine)
     executor.initialize()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest
 from arealite.api.workflow_api import RolloutError, RolloutWorkflow
 from arealite.inference.sglang_remote import RemoteSGLangEngine
@@ -63,7 +63,7 @@ def server(tiny_model_dir):
 
 
 def make_executor(server, **kw) -> WorkflowExecutor:
-    engine = RemoteSGLangEngine(InferenceEngineConfig(**kw))
+    engine = RemoteSGLangEngine(RolloutConfig(**kw))
     engine.initialize([server.address])
     executor = WorkflowExecutor(engine.config, engine)
     executor.initialize()

@@ -13,7 +13,7 @@ import torch
 import workflow_rewards as rewards
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.reward.pool import RewardPool
@@ -40,7 +40,7 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    e = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=4))
+    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=4))
     e.initialize([server.address])
     yield e
     e.destroy()

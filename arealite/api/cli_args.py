@@ -66,7 +66,7 @@ __all__ = [
     "TrainEngineConfig",
     "PPOActorConfig",
     "PPOCriticConfig",
-    "InferenceEngineConfig",
+    "RolloutConfig",
     "ServerConfig",
     "DatasetConfig",
     "SaverConfig",
@@ -90,7 +90,7 @@ __all__ = [
 
 
 @dataclass
-class InferenceEngineConfig(ConfigBase):
+class RolloutConfig(ConfigBase):
     """The rollout client and its staleness control."""
 
     server_addrs: list[str] = field(
@@ -306,7 +306,7 @@ GRPO_MODES = ("train", "rollout_only", "train_only")
 class GRPOConfig(BaseExperimentConfig):
     allocation_mode: str = "local.d1p1t1+d1p1t1"
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
-    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     ref: Optional[PPOActorConfig] = field(
         default=None, metadata=_help("Reference model for the KL term (needs actor.kl_ctl > 0).")

@@ -49,6 +49,6 @@ ACTOR_PRESETS: dict[PresetName, dict[str, Any]] = {
     ),
 }
 
-# Field values of the rollout section (InferenceEngineConfig), by preset name: DAPO's dynamic
+# Field values of the rollout section (RolloutConfig), by preset name: DAPO's dynamic
 # sampling is the executor's filter.
 ROLLOUT_PRESETS: dict[PresetName, dict[str, Any]] = {"dapo": dict(dynamic_sampling=True)}

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.cli_args import RolloutConfig
     from arealite.inference.remote_base import RemoteInferenceEngine
 
 
-def make_remote_engine(backend: str, config: InferenceEngineConfig) -> RemoteInferenceEngine:
+def make_remote_engine(backend: str, config: RolloutConfig) -> RemoteInferenceEngine:
     """The inference client for an allocation mode's backend: vLLM, or SGLang's protocol
     (spoken by real SGLang servers and by our embedded server alike)."""
     if backend == "vllm":

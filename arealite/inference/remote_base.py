@@ -21,7 +21,7 @@ import logging
 from collections import Counter
 from typing import Any
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
 from arealite.inference.remote_generate import (
@@ -62,7 +62,7 @@ class RemoteInferenceEngine(InferenceEngine):
     health_path = "/health"
     batch_generate = False  # the server answers SGLang's batch form (see build_batch_payload)
 
-    def __init__(self, config: InferenceEngineConfig):
+    def __init__(self, config: RolloutConfig):
         self.config = config
         # All keys up front: stats() may copy this from another thread while the loop counts.
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTER_KEYS, 0))

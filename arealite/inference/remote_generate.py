@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import ModelRequest, ModelResponse, PartialResponse
 from arealite.inference.remote_weights import WeightUpdates
 from arealite.inference.server_pool import ServerPool
@@ -38,7 +38,7 @@ class GenerateClient(Protocol):
     """What generation needs of its client (RemoteInferenceEngine): its servers, weight state
     and the backend's payload format. A Protocol, so this module never imports its owner."""
 
-    config: InferenceEngineConfig
+    config: RolloutConfig
     counters: Counter[str]
     gen_allowed: asyncio.Event | None
     pool: ServerPool
@@ -153,9 +153,7 @@ def parse_answers(c: GenerateClient, body: Any, n: int) -> list[GenerateChunk]:
     return [c.parse_generate_response(b) for b in body]
 
 
-async def backoff_after_abort(
-    config: InferenceEngineConfig, rid: str, addr: str, idle_aborts: int
-) -> None:
+async def backoff_after_abort(config: RolloutConfig, rid: str, addr: str, idle_aborts: int) -> None:
     """Aborts without progress while we are not updating weights mean someone else is
     aborting us: back off, and give up rather than spin forever."""
     limit = 5 + config.request_retries

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import ParamSpec, WeightUpdateMeta
 from arealite.inference.server_http import ServerError, ServerHTTP, parse_version
 from arealite.inference.server_pool import NoServerAvailable, ServerPool
@@ -27,7 +27,7 @@ class WeightClient(Protocol):
     """What weight updates need of their client (RemoteInferenceEngine): its servers and the
     backend's per-server weight endpoints. A Protocol, so this module never imports its owner."""
 
-    config: InferenceEngineConfig
+    config: RolloutConfig
     counters: Counter[str]
     gen_allowed: asyncio.Event | None
     http: ServerHTTP

@@ -6,7 +6,7 @@ All shared machinery (routing, retries, fail-over, interruptible generation, the
 choreography) lives in `RemoteInferenceEngine`; this file only says how SGLang spells each call.
 
 Usage:
-    engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=8))
+    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=8))
     engine.initialize(["127.0.0.1:30000"])            # or rollout.server_addrs / env
     resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
     executor = WorkflowExecutor(config, engine)       # arealite.rollout: episodes, staleness

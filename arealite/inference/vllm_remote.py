@@ -22,7 +22,7 @@ paused, and if vLLM still fails the previous good weights are reloaded before ge
 The check assumes the client and the servers share the filesystem, as disk updates do anyway.
 
 Usage:
-    engine = RemoteVLLMEngine(InferenceEngineConfig(consumer_batch_size=8))
+    engine = RemoteVLLMEngine(RolloutConfig(consumer_batch_size=8))
     engine.initialize(["127.0.0.1:8000"])              # or rollout.server_addrs / env
     resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=gconfig))
     engine.update_weights(WeightUpdateMeta.from_disk(hf_dir, version=1)).result()
@@ -37,7 +37,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Any
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
 from arealite.inference.server_http import ServerError, parse_version
@@ -89,7 +89,7 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
 
     health_path = "/health"
 
-    def __init__(self, config: InferenceEngineConfig):
+    def __init__(self, config: RolloutConfig):
         super().__init__(config)
         self._good_weights: dict[str, str] = {}  # addr -> last weights dir it loaded
 

@@ -3,7 +3,7 @@ count, at 10, 100, 1000, ...), and stop the run when the reward is plainly broke
 
 Why stop: a reward that raises scores 0, and a run on all-zero rewards trains on nothing for
 hours while looking healthy.
-Two rules, both from `rollout.*` (InferenceEngineConfig):
+Two rules, both from `rollout.*` (RolloutConfig):
 - a step in which every reward call failed (`steps` such steps in a row; default 1): checked by
   the trainer when a step's batch is complete (`end_step`), before it trains on it. Per step,
   not per N calls, so a reward that always raises stops in the first step whatever the batch

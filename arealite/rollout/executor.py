@@ -33,7 +33,7 @@ from arealite.rollout.staleness import StalenessController
 from arealite.utils.data import concat_padded_tensors
 
 if TYPE_CHECKING:
-    from arealite.api.cli_args import InferenceEngineConfig
+    from arealite.api.cli_args import RolloutConfig
     from arealite.api.engine_api import InferenceEngine
 
 logger = logging.getLogger("arealite.rollout")
@@ -47,7 +47,7 @@ class WorkflowExecutor:
     admission decision; change it with `set_version` here (which also wakes the loop).
     """
 
-    def __init__(self, config: InferenceEngineConfig, engine: InferenceEngine):
+    def __init__(self, config: RolloutConfig, engine: InferenceEngine):
         self.config = config
         self.engine = engine
         self.max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size or 1

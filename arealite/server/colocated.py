@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import ModelRequest, ModelResponse, PartialResponse, WeightUpdateMeta
 from arealite.server.model_runner import ModelRunner, Sequence
@@ -86,7 +86,7 @@ class ColocatedEngine(InferenceEngine):
 
     in_process = True
 
-    def __init__(self, config: InferenceEngineConfig, generator: ColocatedGenerator):
+    def __init__(self, config: RolloutConfig, generator: ColocatedGenerator):
         self.config, self.generator = config, generator
         self._version = 0
         self._allowed = threading.Event()  # cleared between pause and continue

@@ -11,7 +11,7 @@ import torch
 from _gpu import need_gpus
 from _torchrun_fsdp import engine_config, make_batch
 
-from arealite.api.cli_args import InferenceEngineConfig
+from arealite.api.cli_args import RolloutConfig
 from arealite.api.train_config import FSDPConfig
 from arealite.engine.fsdp_engine import FSDPEngine
 from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
@@ -48,7 +48,7 @@ def push_and_compare(mode: str, gpu_env: dict, build_engine, tiny_model_dir, tmp
     ):
         executors = []
         for server in (a, b):
-            engine = RemoteSGLangEngine(InferenceEngineConfig(consumer_batch_size=1))
+            engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=1))
             engine.initialize([server.url.removeprefix("http://")])
             executors.append(WorkflowExecutor(engine.config, engine))
             executors[-1].initialize()
