@@ -150,7 +150,7 @@ class AgentProxy:
         self.turn_discount = turn_discount
         self.tool_parser = tool_parser
         self.stats: Counter[str] = Counter()
-        self.fatal: Exception | None = None  # set when the agent can never work: episodes raise it
+        self.fatal: Exception | None = None  # the agent can never work: episodes raise it
         self.workflow = self.workflow_for(gconfig)
         self._aliases: dict[str, tuple[str, str | None]] = {}  # worker id -> (key, session id)
         self._tasks: deque[_Task] = deque()
@@ -318,6 +318,12 @@ class AgentProxy:
                 return False
             self._closed.add(s.id)
             return True
+
+    def fail_every_episode(self, error: Exception) -> None:
+        """The agent can never work (say, it loses every session): from now on each episode
+        raises `error`, so the run stops naming it. The first error given is kept."""
+        if self.fatal is None:
+            self.fatal = error
 
     def is_open(self, sid: str) -> bool:
         with self._lock:

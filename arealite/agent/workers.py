@@ -220,10 +220,12 @@ class AgentWorkers:
         if self.proxy.stats["finished"]:
             return
         self._lost_before_any_finished += 1
-        if self._lost_before_any_finished >= 2 * len(self.workers) and self.proxy.fatal is None:
-            self.proxy.fatal = RuntimeError(
-                f"agent.command {self.config.command!r} lost its first "
-                f"{self._lost_before_any_finished} sessions and finished none; the last: {fault}"
+        if self._lost_before_any_finished >= 2 * len(self.workers):
+            self.proxy.fail_every_episode(
+                RuntimeError(
+                    f"agent.command {self.config.command!r} lost its first "
+                    f"{self._lost_before_any_finished} sessions and finished none; the last: {fault}"
+                )
             )
 
     async def _finish(self, s: Any, reward: float | None) -> None:

@@ -27,6 +27,14 @@ class PendingAborts:
     def __bool__(self) -> bool:
         return bool(self.waiting or self.everything or self.rids or self.ids)
 
+    def add_rid(self, rid: str) -> None:
+        """Abort every sequence of request `rid` at the next step (waiting ones: pull_waiting)."""
+        self.rids.add(rid)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Abort exactly this submission at the next step, if it is running by then."""
+        self.ids.add(id(seq))
+
     def pull_waiting(self, queue: deque[Sequence], hit: Callable[[Sequence], bool]) -> bool:
         """Move the queued sequences `hit` selects here; whether there were any."""
         found = [s for s in queue if hit(s)]

@@ -134,6 +134,12 @@ class ModelRunner:
             self.batch = joined if self.batch is None else merge_batches(self.batch, joined)
         return self._drop(lambda s: s.finish_reason is not None)
 
+    def drop_running(self) -> list[Sequence]:
+        """Forget the running batch (its KV cache with it); returns its sequences."""
+        seqs = [] if self.batch is None else list(self.batch.seqs)
+        self.batch = None
+        return seqs
+
     def abort(self, hit: Callable[[Sequence], bool], message: str) -> list[Sequence]:
         """Remove the running rows `hit` selects, marking them finished by abort."""
         if self.batch is not None:

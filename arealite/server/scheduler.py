@@ -116,14 +116,14 @@ class Scheduler:
                 self._aborts.abort_everything(self._waiting)
             else:
                 self._aborts.pull_waiting(self._waiting, lambda s: s.rid == rid)
-                self._aborts.rids.add(rid)
+                self._aborts.add_rid(rid)
             self._cond.notify()
 
     def abort_sequence(self, seq: Sequence) -> None:
         """Abort exactly this submission (its client left; a retry may reuse the rid)."""
         with self._cond:
             if not self._aborts.pull_waiting(self._waiting, lambda s: s is seq):
-                self._aborts.ids.add(id(seq))
+                self._aborts.add_sequence(seq)
             self._cond.notify()
 
     def pause(self) -> Future:
@@ -243,11 +243,8 @@ class Scheduler:
         self._finish(finished)
 
     def _fail_running(self, admitted: list[Sequence], error: Exception) -> None:
-        victims = list(admitted)
-        if self.runner.batch is not None:
-            known = {id(s) for s in admitted}
-            victims += [s for s in self.runner.batch.seqs if id(s) not in known]
-        self.runner.batch = None
+        known = {id(s) for s in admitted}
+        victims = admitted + [s for s in self.runner.drop_running() if id(s) not in known]
         with self._cond:
             futs = [self._futures.pop(id(s), None) for s in victims]
         for fut in futs:
