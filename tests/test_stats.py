@@ -171,6 +171,7 @@ def test_progress_line_picks_keys_and_formats():
 def test_progress_line_timing_eta_and_print_every(caplog):
     p = ProgressLine(total_steps=10, print_every=2)
     with caplog.at_level(logging.INFO, logger="arealite.progress"):
+        time.sleep(0.5)  # the first step pays for start-up
         assert p.update(0, {"n_tokens": 100}) is None  # step 1: not printed
         time.sleep(0.05)
         line = p.update(1, {"n_tokens": 100})
@@ -179,7 +180,13 @@ def test_progress_line_timing_eta_and_print_every(caplog):
     toks = float(line.split(" | ")[2].split()[0])
     # s/step is printed to 2 decimals: tok/s = 100 / (the unrounded seconds), within rounding
     assert secs >= 0.05 and 100 / (secs + 0.005) - 1 <= toks <= 100 / (secs - 0.005) + 1
-    assert "ETA" in line
+    # 8 steps left at the second step's pace, not the start-up's (which would say ~3 s)
+    assert "ETA 0m00s" in line or "ETA 0m01s" in line, line
+
+
+def test_the_first_step_prints_no_eta():
+    line = ProgressLine(total_steps=10).update(0, {})
+    assert line.startswith("step 1/10") and "ETA" not in line
 
 
 # ----------------------------------------------------------------------------- frequency control

@@ -79,7 +79,9 @@ class ProgressLine:
     """Times the steps and logs `format_progress` every `print_every` steps.
 
     Seconds per step is an exponential moving average (so the ETA does not jump with one slow
-    step); tokens/s uses the step's own `n_tokens` stat (or the `n_tokens` argument).
+    step) that leaves out the first step: it also pays for start-up (the first batch, the
+    evaluation before training, kernel warm-up), so that step prints no ETA. Tokens/s uses the
+    step's own `n_tokens` stat (or the `n_tokens` argument).
     """
 
     def __init__(self, total_steps: int | None, print_every: int = 1, ema: float = 0.8):
@@ -88,6 +90,7 @@ class ProgressLine:
         self.ema = ema
         self.secs_per_step: float | None = None
         self._last = time.monotonic()
+        self._first = True
 
     def update(
         self,
@@ -99,17 +102,18 @@ class ProgressLine:
         """Call after (0-based) `global_step` finished; returns the line when it was logged."""
         now = time.monotonic()
         dt, self._last = now - self._last, now
-        self.secs_per_step = (
-            dt
-            if self.secs_per_step is None
-            else (self.ema * self.secs_per_step + (1 - self.ema) * dt)
-        )
+        if self._first:
+            self._first = False
+        elif self.secs_per_step is None:
+            self.secs_per_step = dt
+        else:
+            self.secs_per_step = self.ema * self.secs_per_step + (1 - self.ema) * dt
         if (global_step + 1) % self.print_every:
             return None
         if n_tokens is None:
             n_tokens = find_stat(stats, COLUMN_PATTERNS["n_tokens"])
         eta = None
-        if self.total_steps:
+        if self.total_steps and self.secs_per_step is not None:
             eta = self.secs_per_step * max(0, self.total_steps - global_step - 1)
         line = format_progress(
             global_step + 1,
