@@ -20,6 +20,36 @@ def emit(figure: str, **values) -> None:
     print(json.dumps({"figure": figure, **values}), flush=True)
 
 
+def emit_machine(**extra) -> None:
+    """The `machine` figure every bench starts with: the CPU, and how quiet it is. With the
+    kernel's autogroup on, a niced process in another session still takes an equal share of
+    the cores (a 1024^3 fp32 matmul here fell from 172 to 64 GFLOP/s beside niced tests), so a
+    busy machine is said on stderr before any timing."""
+    from arealite.utils.hardware import cpu_summary
+
+    load = os.getloadavg()[0]
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroup = f.read().strip() == "1"
+    except OSError:
+        autogroup = None
+    emit(
+        "machine",
+        cores=os.cpu_count(),
+        load_1min=round(load, 2),
+        autogroup=autogroup,
+        **cpu_summary(),
+        **extra,
+    )
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"warning: load average {load:.1f} on {os.cpu_count()} cores before the bench: "
+            "timings will be low"
+            + (" (autogroup is on: nice does not isolate other sessions)" if autogroup else ""),
+            file=sys.stderr,
+        )
+
+
 def launch(script: str, config: str, overrides: list[str], log_path: str) -> float:
     """Run the local launcher (output to `log_path`); returns its wall seconds."""
     cmd = [

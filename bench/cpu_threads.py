@@ -25,10 +25,8 @@ import tempfile
 import time
 
 import torch
-from bench_io import emit, launch
+from bench_io import emit, emit_machine, launch
 from train_step_vs_plain import PlainStep, make_batch
-
-from arealite.utils.hardware import cpu_summary
 
 LOOP_BATCH = dict(n=128, lo=10, hi=17, prompt=9)  # 16 prompts x 8 samples, <= 8 new tokens
 
@@ -78,7 +76,7 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_threads_")
-    emit("machine", cores=os.cpu_count(), **cpu_summary())
+    emit_machine()
     from arealite.testing.tiny_model import build_tiny_model
 
     model = build_tiny_model(os.path.join(workdir, "tiny_model"))

@@ -19,10 +19,8 @@ import argparse
 import os
 import tempfile
 
-from bench_io import emit, launch
+from bench_io import emit, emit_machine, launch
 from e2e_async_vs_sync import build_warm_start, read_metrics
-
-from arealite.utils.hardware import cpu_summary
 
 
 def run(model: str, dynamic: bool, steps: int, seed: int, workdir: str) -> dict:
@@ -65,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_dynamic_sampling_")
     os.makedirs(workdir, exist_ok=True)
-    emit("machine", cores=os.cpu_count(), **cpu_summary())
+    emit_machine()
     model = args.model_path or build_warm_start(workdir, [])
     off, on = (run(model, d, args.steps, args.seed, workdir) for d in (False, True))
     emit(

@@ -45,7 +45,7 @@ import os
 import statistics
 import tempfile
 
-from bench_io import emit, launch_for, read_jsonl
+from bench_io import emit, emit_machine, launch_for, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 from vs_trl import TASKS, compare, run_arealite, run_trl
 
@@ -327,10 +327,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from arealite.utils.hardware import cpu_summary
 
     args = parse_args()
-    emit("machine", cores=os.cpu_count(), workdir=args.workdir, **cpu_summary())
+    emit_machine(workdir=args.workdir)
     model = warm_start(args)
     done = {
         (r["arm"], r["seed"], r["budget_s"]): r

@@ -40,7 +40,7 @@ import os
 import statistics
 import tempfile
 
-from bench_io import emit, launch_for, read_jsonl
+from bench_io import emit, emit_machine, launch_for, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
 ETAS = (0, 1, 2, 4, 8)
@@ -242,10 +242,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from arealite.utils.hardware import cpu_summary
 
     args = parse_args()
-    emit("machine", cores=os.cpu_count(), workdir=args.workdir, **cpu_summary())
+    emit_machine(workdir=args.workdir)
     results_path = os.path.join(args.workdir, "results.jsonl")
     model = warm_start(args)
     done = {(r["arm"], r["seed"], r["budget_s"]): r for r in read_jsonl(results_path)}

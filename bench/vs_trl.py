@@ -42,10 +42,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from bench_io import EXAMPLES, REPO, emit
+from bench_io import EXAMPLES, REPO, emit, emit_machine
 from e2e_async_vs_sync import build_warm_start
 
-from arealite.utils.hardware import cpu_summary, resolve_dtype
+from arealite.utils.hardware import resolve_dtype
 
 LR = 1e-4
 
@@ -514,7 +514,7 @@ def main() -> None:
         )
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
     os.makedirs(workdir, exist_ok=True)
-    emit("machine", cores=os.cpu_count(), **cpu_summary())
+    emit_machine()
     task = TASKS[args.task]
     model = args.model_path or build_warm_start(workdir, [], task.sft_config)
     extra = (args.arealite_args if args.arealite_args is not None else CPU_DEFAULT).split()

@@ -60,3 +60,17 @@ def test_a_run_summary_reads_the_regime_and_the_target():
     assert s["gen_len_p50"] == 50.0 and s["server_busy_frac"] == 0.8
     assert s["behave_kl_k1"] == 0.02 and s["imp_weight_std"] == 0.2
     assert s["capped_frac"] == pytest.approx(0.02) and s["interrupted_requests"] == 12.0
+
+
+def test_the_machine_figure_says_how_busy_the_cpu_is(capsys, monkeypatch):
+    import json
+
+    import bench_io
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    bench_io.emit_machine(workdir="/w")
+    out = capsys.readouterr()
+    line = json.loads(out.out)
+    assert line["figure"] == "machine" and line["load_1min"] == 9.0 and line["workdir"] == "/w"
+    assert "cpu" in line and "autogroup" in line
+    assert "load average 9.0" in out.err and "timings will be low" in out.err
