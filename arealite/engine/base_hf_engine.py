@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,13 @@ class BaseHFEngine(TrainEngine):
         return self
 
     def step_lr_scheduler(self) -> None:
+        """One step of the schedule per training step, also after a skipped update (no loss
+        tokens), so the schedule follows the step count; torch warns when that skipped update
+        was the first, which here is expected."""
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                self.lr_scheduler.step()
 
     def set_version(self, version: int) -> None:
         self._version = int(version)
