@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from arealite.dataset.common import DatasetFormatError
+from arealite.dataset.common import DatasetFormatError, map_rows
 from arealite.dataset.rows import rl_row, sft_row_from
 from arealite.dataset.sources import DatasetNotFoundError, map_columns, open_source
 
@@ -60,14 +60,7 @@ def user_rows(path, split, type, tokenizer, name, data_files, columns, template)
         }
     else:
         fn, kw = sft_row_from, {"tokenizer": tokenizer, "template": template, "source": source}
-    return raw.map(
-        fn,
-        with_indices=True,
-        fn_kwargs=kw,
-        remove_columns=raw.column_names,
-        keep_in_memory=True,
-        load_from_cache_file=False,
-    )
+    return map_rows(raw, fn, kw)
 
 
 def check_user_dataset(cfg: Any, type: str) -> None:

@@ -48,6 +48,20 @@ def sft_row(tokenizer: Any, messages: list[dict], answer_text: str) -> dict[str,
     return {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
 
 
+def map_rows(raw: Any, fn: Any, fn_kwargs: dict) -> Any:
+    """`raw.map(fn)` (with row indices, for errors that name the row) into the canonical columns
+    alone; kept in memory and never read from the datasets cache, where a task edited since
+    would silently win."""
+    return raw.map(
+        fn,
+        with_indices=True,
+        fn_kwargs=fn_kwargs,
+        remove_columns=raw.column_names,
+        keep_in_memory=True,
+        load_from_cache_file=False,
+    )
+
+
 def drop_long_rows(
     ds: Any, max_length: int | None, type: str, tokenizer: Any, name: str, on_long: str = "drop"
 ) -> Any:

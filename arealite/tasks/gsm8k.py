@@ -27,7 +27,7 @@ from typing import Any
 
 from math_verify import parse, verify
 
-from arealite.dataset.common import DatasetFormatError, require_fields, sft_row
+from arealite.dataset.common import DatasetFormatError, map_rows, require_fields, sft_row
 
 GSM8K_HUB_ID = "openai/gsm8k"
 OPTIONS = ("source",)
@@ -121,14 +121,7 @@ def get_gsm8k_dataset(path: str, split: str, type: str, tokenizer: Any = None) -
         fn, kw = _rl_row, {"source": source}
     else:
         fn, kw = _sft_row, {"tokenizer": tokenizer, "source": source}
-    return raw.map(
-        fn,
-        with_indices=True,
-        fn_kwargs=kw,
-        remove_columns=raw.column_names,
-        keep_in_memory=True,
-        load_from_cache_file=False,
-    )
+    return map_rows(raw, fn, kw)
 
 
 def load(split: str, type: str, tokenizer: Any, processor: Any, source: str = GSM8K_HUB_ID):

@@ -124,18 +124,9 @@ def ppo_actor_loss_fn(
     )
     token_loss = torch.where(mask, pg_loss * behav_weight, 0)
     loss = token_loss.sum() / mask.sum().clamp(min=1)
-    stats = _actor_loss_stats(
-        token_loss,
-        ratio,
-        log_ratio,
-        mask,
-        clip_mask,
-        dual_clip_mask,
-        behav_weight,
-        behav_log,
-        behav_mask,
-    )
-    return loss, stats
+    clips = (clip_mask, dual_clip_mask)
+    behaviour = (behav_weight, behav_log, behav_mask)
+    return loss, _actor_loss_stats(token_loss, ratio, log_ratio, mask, clips, behaviour)
 
 
 def _check_actor_loss_args(tensors, eps_clip, eps_clip_higher, c_clip, cap, level, cu_seqlens):
@@ -182,18 +173,11 @@ def _behaviour_weight(prox, old_logprobs, mask, cap):
     )
 
 
-def _actor_loss_stats(
-    token_loss,
-    ratio,
-    log_ratio,
-    mask,
-    clip_mask,
-    dual_clip_mask,
-    behav_weight,
-    behav_log,
-    behav_mask,
-) -> dict[str, torch.Tensor]:
-    """Detached per-token tensors (0 off the mask) and scalar ratios / means for logging."""
+def _actor_loss_stats(token_loss, ratio, log_ratio, mask, clips, behaviour) -> dict:
+    """Detached per-token tensors (0 off the mask) and scalar ratios / means for logging;
+    `clips` = (clip mask, dual-clip mask), `behaviour` = (weight, log weight, kept mask)."""
+    clip_mask, dual_clip_mask = clips
+    behav_weight, behav_log, behav_mask = behaviour
     n_tokens = mask.sum()
     approx_kl = torch.where(mask, log_ratio, 0).detach()
     stats = {
