@@ -1,4 +1,5 @@
-"""Chaos: `kill -9` one process of a run (launcher, torchrun agent, trainer worker or inference
+"""Chaos: `kill -9` one process of a run (launcher, torchrun agent - asked for with
+`launcher.single_rank_agent`, since a lone rank runs without one -, trainer worker or inference
 server) at a random moment, rerun the same command where needed, and the run ends as if nothing
 had happened: no process of the killed run is left behind, every step is logged exactly once,
 every data item is trained on exactly once, and (synchronous RL) the final weights equal those
@@ -228,6 +229,8 @@ def test_kill_9_anywhere_then_rerun_ends_like_an_uninterrupted_run(trial, refere
     name = f"trial{trial}_{kind}"
     run_dir, log = str(tmp_path / "chaos" / name), tmp_path / f"{name}.log"
     cmd = grpo_cmd(tmp_path, name, model)
+    if kind == "agent":  # a lone rank runs without torchrun's agent unless asked for one
+        cmd.append("launcher.single_rank_agent=true")
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     before: list[psutil.Process] = []

@@ -76,6 +76,22 @@ def test_failing_rank_fails_the_run(sft_args):
     assert "trainer failed" in p.stderr and "rank 1 exited with code 3" in p.stderr
 
 
+@pytest.mark.integration
+def test_one_rank_starts_without_torchrun_unless_asked(sft_args, tmp_path):
+    """A lone rank gets torchrun's environment without its agent (one Python start-up fewer);
+    its own exit code names it. `launcher.single_rank_agent=true` puts the agent back."""
+    one_rank = [*sft_args, "allocation_mode=d1p1t1"]
+    probe = tmp_path / "probe" / "t" / "rank0.json"
+    p, _ = launch(one_rank, env={"PROBE_FAIL_RANK": "0"})
+    assert p.returncode == 1 and "rank 0 exited with code 3" in p.stderr, p.stderr
+    rank = json.loads(probe.read_text())
+    assert (rank["RANK"], rank["WORLD_SIZE"], rank["LOCAL_RANK"]) == ("0", "1", "0")
+    assert rank["MASTER_PORT"] and not rank["under_agent"]
+    p, _ = launch([*one_rank, "launcher.single_rank_agent=true"])
+    assert p.returncode == 0, p.stderr
+    assert json.loads(probe.read_text())["under_agent"]
+
+
 # ---- children die with their parent ---------------------------------------------------------------
 
 PARENT = """

@@ -49,7 +49,7 @@ def trainer_env(config, server_addrs: list[str], gpus: GpuPlan | None = None) ->
     if gpus is not None:
         env.update(gpus.trainer_env())
     env["PYTHONUNBUFFERED"] = "1"
-    env[WATCH_PARENT_ENV] = "1"  # trainer workers exit when their torchrun agent dies
+    env[WATCH_PARENT_ENV] = "1"  # a rank exits when its parent (torchrun or the launcher) dies
     if server_addrs:
         env[SERVER_ADDRS_ENV] = ",".join(server_addrs)
         env[SERVERS_STARTUP_ENV] = str(config.server.startup_timeout)  # they may still load

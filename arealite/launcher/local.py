@@ -89,8 +89,19 @@ def wait_servers(procs: ProcessSet, config, addrs: list[str]) -> None:
         logger.info("server%d healthy at %s", index, address)
 
 
-def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int) -> list[str]:
-    return [
+def trainer_command(
+    script: str, script_args: list[str], n_ranks: int, port: int, agent: bool
+) -> tuple[list[str], dict[str, str]]:
+    """(command, rank environment). Several ranks (or `agent`) run under torchrun; a lone rank
+    starts the script directly with the environment torchrun would give it, which saves the
+    agent's own Python start-up with torch on every launch."""
+    if n_ranks == 1 and not agent:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1"}
+        for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK"):
+            env[key] = "0"
+        env["LOCAL_WORLD_SIZE"] = "1"
+        return [sys.executable, script, *script_args], env
+    cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -105,6 +116,7 @@ def trainer_command(script: str, script_args: list[str], n_ranks: int, port: int
         script,
         *script_args,
     ]
+    return cmd, {}
 
 
 MAX_SERVER_RESTARTS = 5  # per server: one that keeps dying stays down (the others serve)
@@ -156,8 +168,12 @@ def run(argv: list[str]) -> int:
         attempts = 1 + (config.recover.retries if config.recover.mode != "disabled" else 0)
         for attempt in range(attempts):
             port = config.launcher.trainer_port or find_free_port()
-            cmd = trainer_command(script, script_args, config.allocation.train_world_size, port)
-            procs.start("trainer", cmd, trainer_env(config, addrs, gpus), stream=True)
+            n_ranks = config.allocation.train_world_size
+            cmd, rank_env = trainer_command(
+                script, script_args, n_ranks, port, config.launcher.single_rank_agent
+            )
+            env = {**trainer_env(config, addrs, gpus), **rank_env}
+            procs.start("trainer", cmd, env, stream=True)
             if attempt == 0:
                 wait_servers(procs, config, addrs)
             rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))
@@ -167,8 +183,10 @@ def run(argv: list[str]) -> int:
                 return 0
             logger.error("trainer exited with code %d (attempt %d/%d)", rc, attempt + 1, attempts)
         log_path = procs.children["trainer"].log_path
+        direct = bool(rank_env)  # the exit code is rank 0's own, not torchrun's
+        failed = f"rank 0 exited with code {rc}" if direct else failed_ranks_summary(log_path)
         raise LaunchError(
-            f"trainer failed with exit code {rc} ({failed_ranks_summary(log_path)}); "
+            f"trainer failed with exit code {rc} ({failed}); "
             f"log tail ({log_path}):\n{log_tail(log_path)}"
         )
     finally:

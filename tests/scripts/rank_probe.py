@@ -1,4 +1,5 @@
-"""A trivial 'training script' for launcher tests: records its torchrun environment."""
+"""A trivial 'training script' for launcher tests: records its rank environment and whether
+torchrun's agent started it."""
 
 import json
 import os
@@ -13,7 +14,8 @@ with open(out, "w") as f:
         {
             k: os.environ.get(k)
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "AREAL_LLM_SERVER_ADDRS")
-        },
+        }
+        | {"under_agent": "torch.distributed.run" in open(f"/proc/{os.getppid()}/cmdline").read()},
         f,
     )
 print(f"rank {os.environ['RANK']} ok", flush=True)
