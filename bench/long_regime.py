@@ -106,6 +106,7 @@ def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.ppo_n_minibatches={mb}",
         *LOSSES[loss],
+        *args.arealite_args.split(),
     ]
 
 
@@ -307,7 +308,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")
-    p.add_argument("--arealite-args", default="", help="part b: overrides for arealite's arm")
+    p.add_argument("--arealite-args", default="", help="config overrides for every arealite run")
     p.add_argument("--model-path", default=None, help="warm start (default: build one)")
     p.add_argument("--workdir", default=None, help="results and runs (resumable)")
     args = p.parse_args()

@@ -27,18 +27,37 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_scratchpad_is_worked_line_by_line_and_ends_with_the_total():
+@pytest.mark.parametrize("pad", ["down", "up"])
+def test_scratchpad_is_worked_line_by_line_and_ends_with_the_total(pad):
     assert prompt_text(37, 7, 3) == "37+7*3"
-    assert scratchpad(37, 7, 3) == "1: 37+7=44\n2: 44+7=51\n3: 51+7=58\n#### 58"
+    want = {
+        "down": "3: 37+7=44\n2: 44+7=51\n1: 51+7=58\n#### 58",
+        "up": "1: 37+7=44\n2: 44+7=51\n3: 51+7=58\n#### 58",
+    }
+    assert scratchpad(37, 7, 3, pad) == want[pad]
     for start, digit, terms in generate_problems(300, seed=4):
-        lines = scratchpad(start, digit, terms).split("\n")
+        lines = scratchpad(start, digit, terms, pad).split("\n")
         assert len(lines) == terms + 1  # one line per partial sum, then the answer
         assert lines[-1] == f"#### {start + digit * terms}"
         for i, line in enumerate(lines[:-1], 1):
             count, work = line.split(": ")
             left, total = work.split("=")
             a, b = left.split("+")
-            assert int(count) == i and int(b) == digit and int(a) + digit == int(total)
+            assert int(count) == (terms + 1 - i if pad == "down" else i)
+            assert int(b) == digit and int(a) + digit == int(total)
+
+
+def test_the_sft_rows_follow_the_pad_option_and_a_bad_one_is_named(tokenizer):
+    down, up = (
+        get_custom_dataset("long_sums", 0, 1, type="sft", tokenizer=tokenizer, size=20, pad=pad)
+        for pad in ("down", "up")
+    )
+    default = get_custom_dataset("long_sums", 0, 1, type="sft", tokenizer=tokenizer, size=20)
+    assert default[:] == down[:] and down["input_ids"] != up["input_ids"]
+    with pytest.raises(ValueError, match="pad must be one of"):
+        get_custom_dataset(
+            "long_sums", 0, 1, type="sft", tokenizer=tokenizer, size=1, pad="sideways"
+        )
 
 
 def test_output_lengths_spread_over_ten_times_with_a_long_tail(tokenizer):

@@ -1,21 +1,24 @@
 """The `long_sums` task: long, variable-length reasoning that a ~3M-parameter model learns on a CPU.
 
 A prompt is a start value plus a digit added m times ("37+7*12"); the answer is worked as a
-scratchpad, one numbered line per partial sum, then the total:
+scratchpad, one line per partial sum numbered by the terms left, then the total:
 
-    1: 37+7=44
-    2: 44+7=51
+    12: 37+7=44
+    11: 44+7=51
     ...
-    12: 114+7=121
+    1: 114+7=121
     #### 121
 
 Why this shape: it is the regime the system exists for. The number of terms m is drawn from a
 long-tailed law (P(m) ~ m^-tail for m in [min_terms, max_terms]), so most answers are short and a
 few run to ~230 tokens: a batch's longest output is many times its median, which is what a
 synchronous system waits for and an asynchronous one overlaps. Every line is local work a small
-transformer learns from a few thousand examples - count one up, copy the last total, add the
-prompt's digit, stop when the count reaches m - but errors compound over lines, so accuracy falls
-with length and RL has room on the long tail. The reward checks the final answer only
+transformer learns from a few thousand examples - count one down, copy the last total, add the
+prompt's digit, stop after line 1 - but errors compound over lines, so accuracy falls with length
+and RL has room on the long tail. The count runs down (`pad: down`) because with lines numbered
+up (`pad: up`) the warm start never learned when to stop: its held-out accuracy came from m = 1
+alone (79% there, 0% for m = 2-8), where counting down spreads it over m = 1-10
+(docs/results.md, "The long regime"). The reward checks the final answer only
 (`long_sums_reward_fn`: the last integer, like arith), so the policy may learn any pad.
 
 Train and held-out splits never share a problem: a hash of the expression picks its split.
@@ -29,7 +32,8 @@ from typing import Any
 from arealite.dataset.common import sft_row
 from arealite.tasks.arith import ExactMatchReward, is_held_out, last_integer
 
-OPTIONS = ("size", "seed", "min_terms", "max_terms", "tail", "test_fraction")
+OPTIONS = ("size", "seed", "min_terms", "max_terms", "tail", "test_fraction", "pad")
+PADS = ("down", "up")
 HELD_OUT_SPLITS = ("test", "valid", "validation")
 MAX_START, MAX_TERMS = 99, 40
 
@@ -45,11 +49,15 @@ def prompt_text(start: int, digit: int, terms: int) -> str:
     return f"{start}+{digit}*{terms}"
 
 
-def scratchpad(start: int, digit: int, terms: int) -> str:
-    """The worked answer: "i: total+digit=new total" for i = 1..terms, then "#### total"."""
+def scratchpad(start: int, digit: int, terms: int, pad: str = "down") -> str:
+    """The worked answer: one line "k: total+digit=new total" per term, then "#### total".
+    pad "down": k counts the terms left (terms, ..., 1), so the model copies the count from the
+    prompt once and stops after "1:" - a decision it reads off its own last line; "up": k = 1,
+    ..., terms, so stopping means comparing every line's index with the prompt's count."""
     lines, total = [], start
     for i in range(1, terms + 1):
-        lines.append(f"{i}: {total}+{digit}={total + digit}")
+        k = terms + 1 - i if pad == "down" else i
+        lines.append(f"{k}: {total}+{digit}={total + digit}")
         total += digit
     return "\n".join(lines) + f"\n#### {total}"
 
@@ -108,15 +116,18 @@ def load(
     size: int = 2000,
     seed: int = 0,
     test_fraction: float = 0.2,
+    pad: str = "down",
     **length_law: Any,
 ) -> Any:
     """RL rows {"messages", "answer", "query_id"} or SFT rows (prompt + worked scratchpad)."""
     import datasets
 
+    if pad not in PADS:
+        raise ValueError(f"long_sums pad must be one of {PADS}, got {pad!r}")
     problems = generate_problems(size, seed, split, test_fraction=test_fraction, **length_law)
     if type == "sft":
         rows = [
-            sft_row(tokenizer, [{"role": "user", "content": prompt_text(*p)}], scratchpad(*p))
+            sft_row(tokenizer, [{"role": "user", "content": prompt_text(*p)}], scratchpad(*p, pad))
             for p in problems
         ]
     else:
