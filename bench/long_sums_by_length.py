@@ -1,0 +1,96 @@
+"""Where a long_sums model is right, by term count m: greedy accuracy on the held-out problems
+and the reward at the sampling temperature (what GRPO's groups see), per m.
+
+A held-out accuracy alone hides which problems it comes from: the first warm start's 23.5% was
+m = 1 alone (79% there, 0% for m = 2-8), a model that had never learned when to stop. This prints
+the table that showed it, for any checkpoint:
+
+    python bench/long_sums_by_length.py MODEL_DIR [--samples 8] [--temperature 1.0] [--size 200]
+
+(`--samples 0`: greedy only.) Plain HF `generate`, fp32, sampling with top-k and top-p off, as
+the embedded server samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import torch
+from bench_io import emit, emit_machine
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from arealite.tasks.arith import last_integer
+from arealite.tasks.long_sums import generate_problems, prompt_text
+
+
+def left_padded(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-templated prompts, left-padded into one batch, and their attention mask."""
+    ids = []
+    for p in problems:
+        chat = [{"role": "user", "content": prompt_text(*p)}]
+        out = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids.append(list(out["input_ids"] if not isinstance(out, list) else out))
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    batch = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    return batch, mask
+
+
+def correct_by_terms(model, tokenizer, problems, samples: int, temperature: float) -> dict:
+    """{m: [1.0 / 0.0 per answer]}; samples 0 = one greedy answer per problem."""
+    hits: dict[int, list[float]] = collections.defaultdict(list)
+    n = max(samples, 1)
+    for i in range(0, len(problems), 50):
+        chunk = problems[i : i + 50]
+        batch, mask = left_padded(tokenizer, chunk)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None}
+        with torch.no_grad():
+            out = model.generate(
+                batch,
+                attention_mask=mask,
+                max_new_tokens=320,
+                num_return_sequences=n,
+                pad_token_id=tokenizer.pad_token_id,
+                **(sampling if samples else {"do_sample": False}),
+            )
+        for j, seq in enumerate(out):
+            start, digit, terms = chunk[j // n]
+            text = tokenizer.decode(seq[batch.shape[1] :], skip_special_tokens=True)
+            hits[terms].append(float(last_integer(text) == start + digit * terms))
+    return hits
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--samples", type=int, default=8, help="per problem at --temperature; 0: none")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--size", type=int, default=200, help="held-out problems (the configs': 200)")
+    args = p.parse_args()
+    emit_machine()
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    problems = generate_problems(args.size, 0, "test")
+    greedy = correct_by_terms(model, tokenizer, problems, 0, 0.0)
+    sampled = (
+        correct_by_terms(model, tokenizer, problems, args.samples, args.temperature)
+        if args.samples
+        else {}
+    )
+    print("| m | problems | greedy | reward at T |\n|---|---|---|---|")
+    for m in sorted(greedy):
+        g, s = greedy[m], sampled.get(m, [])
+        reward = f"{sum(s) / len(s):.3f}" if s else "-"
+        print(f"| {m} | {len(g)} | {sum(g) / len(g):.2f} | {reward} |")
+        emit("by_terms", terms=m, problems=len(g), greedy=statistics.mean(g), sampled=reward)
+    every = [v for vs in greedy.values() for v in vs]
+    drawn = [v for vs in sampled.values() for v in vs]
+    emit("all", greedy=statistics.mean(every), sampled=statistics.mean(drawn) if drawn else None)
+
+
+if __name__ == "__main__":
+    main()
