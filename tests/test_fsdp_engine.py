@@ -6,12 +6,11 @@ import concurrent.futures
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import requests
 import torch
+from _launch import torchrun
 from _torchrun_fsdp import engine_config, full_weights, make_batch, server_logprob_gap
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -261,26 +260,9 @@ def test_gradient_checkpointing_gives_the_same_step(make_engine):
 def test_two_gloo_ranks_match_one_rank(make_engine, tiny_model_dir, tmp_path):
     out, hf_dir = tmp_path / "r.pt", tmp_path / "hf2"
     script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(find_free_port()),
-        script,
-        "--model",
-        tiny_model_dir,
-        "--out",
-        str(out),
-        "--hf-dir",
-        str(hf_dir),
-    ]
     # CPU ranks even on a GPU machine: two ranks may not share one GPU (tests/gpu has GPU runs)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    args = ["--model", tiny_model_dir, "--out", out, "--hf-dir", hf_dir]
+    torchrun(script, 2, *args, CUDA_VISIBLE_DEVICES="")
     two = torch.load(out, weights_only=False)
     assert two["world"] == 2
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _launch import torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -839,22 +839,7 @@ def _dist_worker(out_dir: str) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_equal_single_process(tmp_path):
-    from arealite.utils.network import find_free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={find_free_port()}",
-        __file__,
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(__file__, 2, tmp_path, timeout=150)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     shards = [_shard(r) for r in range(2)]
     full = _statistics(*(torch.cat(parts) for parts in zip(*shards)))

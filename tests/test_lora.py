@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import requests
 import torch
+from _launch import local_launch
 from _torchrun_fsdp import engine_config, make_batch, server_logprob_gap, train_variant
 from tensordict import TensorDict
 from test_ppo_critic import run_two_gloo_ranks
@@ -27,8 +26,6 @@ from arealite.engine.lora import count_parameters, optimizer_state_bytes
 from arealite.engine.sft.lm_engine import FSDPLMEngine
 
 pytest.importorskip("peft")
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -173,19 +170,8 @@ def test_bad_lora_config_stops_the_launcher_before_any_server(
     tiny_model_dir, tmp_path, override, error
 ):
     """Through the real launcher: the error names the key, and no process was started."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        "examples/grpo.py",
-        "--config",
-        "examples/configs/arith_grpo_lora.yaml",
-        f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}",
-        override,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    where = [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}"]
+    p = local_launch("grpo.py", "arith_grpo_lora.yaml", *where, override, ok=False, timeout=120)
     assert p.returncode != 0
     assert re.search(error, p.stdout + p.stderr), (p.stdout + p.stderr)[-2000:]
     assert not (tmp_path / "arith-grpo").exists()  # no run dir, logs or servers
@@ -273,23 +259,16 @@ def test_lora_grpo_runs_through_the_launcher(tiny_model_dir, tmp_path):
     """examples/grpo.py + arith_grpo_lora.yaml, 2 steps: the logged trainable share is under
     10% with optimizer state for the adapters only; the final checkpoint holds the merged
     model and the PEFT adapter."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        "examples/grpo.py",
-        "--config",
-        "examples/configs/arith_grpo_lora.yaml",
+    local_launch(
+        "grpo.py",
+        "arith_grpo_lora.yaml",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny_model_dir}",
         "total_train_steps=2",
         "train_dataset.batch_size=4",
         "valid_dataset.options.size=4",
         "evaluator.freq_steps=null",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    )
     run = tmp_path / "arith-grpo" / "lora"
     first = json.loads(open(run / "metrics.jsonl").readline())
     trainable, total = first["actor/trainable_params"], first["actor/total_params"]

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import local_launch, torchrun
 from _torchrun_fsdp import engine_config, make_batch, train_variant
 
 from arealite.api.cli_args import (
@@ -21,7 +20,6 @@ from arealite.api.cli_args import (
     load_expr_config,
 )
 from arealite.engine.ppo.critic import FSDPPPOCritic
-from arealite.utils.network import find_free_port
 
 
 def _base(model_dir):
@@ -77,27 +75,8 @@ def test_critic_value_loss_falls_and_explained_variance_rises(tiny_model_dir):
 def run_two_gloo_ranks(mode: str, model_dir: str, out) -> dict:
     """tests/_torchrun_fsdp.py --mode MODE on 2 gloo ranks; rank 0's stats and weights."""
     script = os.path.join(os.path.dirname(__file__), "_torchrun_fsdp.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(find_free_port()),
-        script,
-        "--mode",
-        mode,
-        "--model",
-        model_dir,
-        "--out",
-        str(out),
-        "--hf-dir",
-        str(out) + "_hf",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    args = ["--mode", mode, "--model", model_dir, "--out", out, "--hf-dir", f"{out}_hf"]
+    torchrun(script, 2, *args)
     two = torch.load(out, weights_only=False)
     assert two["world"] == 2
     return two
@@ -121,14 +100,9 @@ def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
     """examples/grpo.py + arith_ppo.yaml, sync, 2 steps, the first a critic warm-up step: the
     critic's value loss and explained variance reach metrics.jsonl every step, the actor
     trains only after the warm-up."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        "examples/grpo.py",
-        "--config",
-        "examples/configs/arith_ppo.yaml",
+    local_launch(
+        "grpo.py",
+        "arith_ppo.yaml",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny_model_dir}",
         f"critic.path={tiny_model_dir}",
@@ -138,10 +112,7 @@ def test_ppo_with_a_critic_runs_through_the_launcher(tiny_model_dir, tmp_path):
         "train_dataset.batch_size=4",
         "valid_dataset.options.size=4",
         "evaluator.freq_steps=null",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    )
     lines = open(tmp_path / "arith-ppo" / "demo" / "metrics.jsonl").read().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == 2

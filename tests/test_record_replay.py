@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import local_launch
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
 from arealite.launcher.servers import needs_servers
@@ -52,19 +51,8 @@ def overrides(root: str, trial: str, model: str, *extra: str) -> list[str]:
 
 
 def launch(args: list[str], timeout: float = 150) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        "examples/grpo.py",
-        "--config",
-        YAML,
-        *args,
-    ]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"launcher exited with {p.returncode}:\n{out[-6000:]}"
-    return out
+    p = local_launch("grpo.py", "arith_grpo.yaml", *args, timeout=timeout)
+    return p.stdout + p.stderr
 
 
 def metrics(run_dir: str) -> list[dict]:

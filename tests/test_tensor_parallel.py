@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import torchrun
 from _torchrun_fsdp import engine_config, full_weights, make_batch
 from _torchrun_tp import N_SEQS, critic_step, ppo_batch, ppo_config, weight_updates
 from transformers import AutoModelForCausalLM
@@ -24,7 +23,6 @@ from arealite.engine.ppo.actor import FSDPPPOActor
 from arealite.engine.rm.reward_model import FSDPRewardModel
 from arealite.engine.sft.lm_engine import FSDPLMEngine
 from arealite.engine.tensor_parallel import check_supported
-from arealite.utils.network import find_free_port
 
 TOL = 1e-5
 
@@ -32,16 +30,10 @@ TOL = 1e-5
 def launch(model_dir: str, tmp, n_ranks: int, **flags) -> dict:
     out = tmp / f"r{n_ranks}.pt"
     script = os.path.join(os.path.dirname(__file__), "_torchrun_tp.py")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks),
-        "--master-port", str(find_free_port()), script, "--model", model_dir, "--out", str(out),
-        "--hf-dir", str(tmp / f"hf{n_ranks}"),
-    ]  # fmt: skip
+    args = ["--model", model_dir, "--out", out, "--hf-dir", tmp / f"hf{n_ranks}"]
     for k, v in flags.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        args += [f"--{k.replace('_', '-')}", v]
+    torchrun(script, n_ranks, *args, CUDA_VISIBLE_DEVICES="")
     return torch.load(out, weights_only=False)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _launch import torchrun
 
 from arealite.server.protocol import BadRequest, parse_generate_request
 from arealite.tasks.clevr_count import SYSTEM_PROMPT, fit_image
@@ -339,33 +340,14 @@ def test_two_gloo_ranks_with_images_on_one_rank_match_one_rank(tiny_vlm_dir, tmp
     """Rank 1 holds only a text-only row: its micro-batches run the dummy image, so both ranks
     call the same FSDP units; the step equals the 1-rank step on the whole batch."""
     import os
-    import subprocess
-    import sys
 
     from _torchrun_fsdp import full_weights
 
     from arealite.engine.sft.lm_engine import sft_loss_fn, sft_loss_weight
-    from arealite.utils.network import find_free_port
 
     out = tmp_path / "r.pt"
     script = os.path.join(os.path.dirname(__file__), "_torchrun_vlm.py")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(find_free_port()),
-        script,
-        "--model",
-        tiny_vlm_dir,
-        "--out",
-        str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(script, 2, "--model", tiny_vlm_dir, "--out", out, timeout=300)
     two = torch.load(out, weights_only=False)
     assert two["world"] == 2
     engine = vlm_engine(tiny_vlm_dir, max_tokens=120)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import requests
+from _launch import local_launch
 from _torchrun_fsdp import engine_config, make_batch
 
 from arealite.api.cli_args import RolloutConfig
@@ -24,7 +23,6 @@ from arealite.rollout import WorkflowExecutor
 from arealite.trainer.weight_sync import WeightSync
 
 pytestmark = pytest.mark.integration
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def greedy(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -90,17 +88,7 @@ def test_push_equals_disk_push(mode, tiny_model_dir, build_engine, tmp_path, mon
 
 def run_arith_grpo(args: list[str]) -> None:
     """examples/grpo.py on the arith YAML through the local launcher; fails with its log tail."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        "examples/grpo.py",
-        "--config",
-        "examples/configs/arith_grpo.yaml",
-        *args,
-    ]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    local_launch("grpo.py", "arith_grpo.yaml", *args, timeout=400)
 
 
 def metrics_and_versions(run) -> tuple[list[dict], set[int]]:
