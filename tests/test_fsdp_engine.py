@@ -494,3 +494,20 @@ def test_forward_only_engine_refuses_to_train(make_engine):
     assert ref.compute_logprobs(make_batch(n=2)).shape[0] == 2
     with pytest.raises(RuntimeError, match="no optimizer"):
         train_step(ref, make_batch(n=2))
+
+
+def test_the_schedule_steps_after_a_skipped_first_update_without_torchs_warning():
+    """A first step with no loss tokens skips optimizer.step() but not the schedule (it follows
+    the step count); torch's 'lr_scheduler.step() before optimizer.step()' is expected there and
+    must not reach the user's screen (the demo's clean-output test saw it on such runs)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from arealite.engine.base_hf_engine import BaseHFEngine
+
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        BaseHFEngine.step_lr_scheduler(SimpleNamespace(lr_scheduler=schedule))
+    assert opt.param_groups[0]["lr"] == 0.5

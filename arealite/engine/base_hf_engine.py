@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ from arealite.utils.data import MicroBatchList, pack_tensor_dict
 from arealite.utils.vision import is_vlm_config
 
 logger = logging.getLogger("arealite.engine")
+# torch's text (a regex would read its "()" as a group): expected after a skipped first update.
+LR_BEFORE_OPTIMIZER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
 
 class BaseHFEngine(TrainEngine):
@@ -76,7 +79,7 @@ class BaseHFEngine(TrainEngine):
         was the first, which here is expected."""
         if self.lr_scheduler is not None:
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", re.escape(LR_BEFORE_OPTIMIZER_WARNING))
                 self.lr_scheduler.step()
 
     def set_version(self, version: int) -> None:
