@@ -37,6 +37,7 @@ from arealite.launcher.servers import (
     wait_healthy,
     weight_roots,
 )
+from arealite.lifecycle.lifeline import WATCHED_PARENT_PID_ENV
 from arealite.utils.network import find_free_port, find_free_ports
 
 logger = logging.getLogger("arealite.launcher")
@@ -97,6 +98,7 @@ def trainer_command(
     agent's own Python start-up with torch on every launch."""
     if n_ranks == 1 and not agent:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1"}
+        env[WATCHED_PARENT_PID_ENV] = str(os.getpid())
         for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK"):
             env[key] = "0"
         env["LOCAL_WORLD_SIZE"] = "1"
@@ -173,7 +175,7 @@ def run(argv: list[str]) -> int:
                 script, script_args, n_ranks, port, config.launcher.single_rank_agent
             )
             env = {**trainer_env(config, addrs, gpus), **rank_env}
-            procs.start("trainer", cmd, env, stream=True)
+            procs.start("trainer", cmd, env, stream=True, watches_parent=bool(rank_env))
             if attempt == 0:
                 wait_servers(procs, config, addrs)
             rc = procs.wait("trainer", on_death=restart_dead_server(procs, config))

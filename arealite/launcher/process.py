@@ -82,7 +82,10 @@ class ProcessSet:
         env: dict[str, str] | None = None,
         stream: bool = False,
         critical: bool = True,
+        watches_parent: bool = False,
     ) -> Child:
+        """`watches_parent`: the child runs its own `lifeline.watch_parent`, which takes its
+        children along when the launcher dies; the kernel's SIGKILL would orphan them."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         full_env = {**os.environ, **(env or {})}
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed by the tee thread / on exit
@@ -97,7 +100,7 @@ class ProcessSet:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=None if watches_parent else die_with_parent,
         )
         child = Child(name, popen, log_path, critical, cmd=list(cmd), env=dict(env or {}))
         if stream:

@@ -5,9 +5,9 @@ by themselves, or they keep training, writing checkpoints and holding GPUs as or
 
 - `die_with_parent` (a Popen `preexec_fn`): the kernel sends the child SIGKILL when its parent
   dies (Linux `PR_SET_PDEATHSIG`). Launchers start servers and torchrun agents with it.
-- `watch_parent`: a daemon thread for processes whose parent we do not start ourselves (torchrun
-  starts the trainer workers): it kills this process and its children once the parent pid
-  changes, or once the launcher's heartbeat file (`$AREAL_LAUNCHER_HEARTBEAT`, written by
+- `watch_parent`: a daemon thread for trainer ranks (started by torchrun, or by the launcher
+  directly when there is one rank): it kills this process and its children (reward pools'
+  forkservers, ...) once the parent pid changes, or once the launcher's heartbeat file (`$AREAL_LAUNCHER_HEARTBEAT`, written by
   launchers whose jobs run elsewhere, e.g. Slurm) stops changing.
 """
 
@@ -29,6 +29,9 @@ LAUNCHER_HEARTBEAT_ENV = "AREAL_LAUNCHER_HEARTBEAT"
 # Set by launchers for the trainer processes: their parent (a torchrun agent, a Ray actor) is
 # watched. Not by default: a script run by hand under `nohup` must outlive its shell.
 WATCH_PARENT_ENV = "AREAL_WATCH_PARENT"
+# The pid to watch when the launcher itself is the parent: a trainer rank may start its watch
+# seconds after a `kill -9` of the launcher, when getppid() already names init.
+WATCHED_PARENT_PID_ENV = "AREAL_WATCHED_PARENT_PID"
 LAUNCHER_HEARTBEAT_TTL_ENV = "AREAL_LAUNCHER_HEARTBEAT_TTL"
 HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_HEARTBEAT_TTL_S = 30.0  # shared filesystems may cache mtimes for a few seconds
@@ -96,7 +99,8 @@ class _HeartbeatWatch:
 def watch_parent(interval: float = 0.5) -> threading.Thread:
     """Exit (with every child of this process) as soon as the parent dies or the launcher's
     heartbeat goes stale. Cheap: one getppid() and at most one stat() per interval."""
-    parent = os.getppid()  # no PDEATHSIG here: a parent thread that exits would fire it
+    # No PDEATHSIG here: a parent thread that exits would fire it.
+    parent = int(os.environ.get(WATCHED_PARENT_PID_ENV) or os.getppid())
     hb_path = os.environ.get(LAUNCHER_HEARTBEAT_ENV)
     ttl = float(os.environ.get(LAUNCHER_HEARTBEAT_TTL_ENV, DEFAULT_HEARTBEAT_TTL_S))
     heartbeat = _HeartbeatWatch(hb_path, ttl) if hb_path else None
