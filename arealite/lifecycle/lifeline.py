@@ -7,8 +7,9 @@ by themselves, or they keep training, writing checkpoints and holding GPUs as or
   dies (Linux `PR_SET_PDEATHSIG`). Launchers start servers and torchrun agents with it.
 - `watch_parent`: a daemon thread for trainer ranks (started by torchrun, or by the launcher
   directly when there is one rank): it kills this process and its children (reward pools'
-  forkservers, ...) once the parent pid changes, or once the launcher's heartbeat file (`$AREAL_LAUNCHER_HEARTBEAT`, written by
-  launchers whose jobs run elsewhere, e.g. Slurm) stops changing.
+  forkservers, ...) once the parent pid changes, or once the launcher's heartbeat file
+  (`$AREAL_LAUNCHER_HEARTBEAT`, written by launchers whose jobs run elsewhere, e.g. Slurm)
+  stops changing.
 """
 
 from __future__ import annotations
