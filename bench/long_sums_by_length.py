@@ -46,7 +46,8 @@ def correct_by_terms(model, tokenizer, problems, samples: int, temperature: floa
     for i in range(0, len(problems), 50):
         chunk = problems[i : i + 50]
         batch, mask = left_padded(tokenizer, chunk)
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None}
+        # top_k 0 / top_p 1: no truncation (transformers' default top_k is 50)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         with torch.no_grad():
             out = model.generate(
                 batch,
