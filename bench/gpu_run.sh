@@ -8,8 +8,12 @@
 #   bash bench/gpu_run.sh OUT_DIR [quick]     # quick: a few steps of each (finds breakage)
 #   bash bench/gpu_run.sh OUT_DIR dry         # CPU, seconds: the preflight memory plans of
 #                                             # gsm8k_grpo.yaml at Qwen2.5-0.5B / 1.5B shapes
+#   bash bench/gpu_run.sh OUT_DIR long        # the long regime (long_sums) at the same shapes:
+#                                             # SFT warm start, then bench/long_regime.py part a
+#                                             # (eta 0 vs eta 4) and part b (vs TRL), ~8 minutes
 #
-# Knobs (environment): SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
+# Knobs (environment): LONG_SFT_STEPS LONG_SFT_LR LONG_BUDGET LONG_ARMS LONG_TRL_MIN (long mode);
+# SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
 # T_SFT T_VS T_GRPO (seconds); GPU_TESTS (pytest args), VS_ARGS (extra vs_trl.py args, e.g.
 # "--systems arealite --runs-from trl.jsonl"), WEIGHT_UPDATE (tensor | disk); PY (python).
 set -uo pipefail
@@ -53,9 +57,32 @@ $PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1 
 [ -n "${VS_FLAGS-x}" ] && $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0),
 'capability', torch.cuda.get_device_capability(0))"
+MODEL=$W/qwen05b_shapes
+if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares the GPU
+  GPU_ARGS="cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=tensor"
+  SFT_STEPS=${LONG_SFT_STEPS:-300}
+  stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
+  stage long_sft "${T_LONG_SFT:-110}" $PY -m arealite.launcher.local examples/sft.py \
+    --config examples/configs/long_sums_sft.yaml cluster.fileroot="$W" model.path="$MODEL" \
+    cluster.n_gpus_per_node=1 total_train_steps=$SFT_STEPS \
+    train_dataset.options.size=$((SFT_STEPS * 32)) model.optimizer.lr=${LONG_SFT_LR:-3e-4}
+  SFT=$(ls -d "$W"/long-sums-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
+  stage long_a "${T_LONG_A:-230}" $PY bench/long_regime.py --parts a --seeds 1 \
+    --arms ${LONG_ARMS:-eta0_decoupled_mb1,eta4_decoupled_mb1} --budget ${LONG_BUDGET:-50} \
+    --eval-secs 25 --target-gain 0.10 --model-path "$SFT" --workdir "$W/long_a" \
+    --arealite-args "$GPU_ARGS"
+  stage long_b "${T_LONG_B:-190}" $PY bench/vs_trl.py --task long_sums --gpu --model-path "$SFT" \
+    --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 2e-5 --workdir "$W/long_b"
+  echo "== figures"
+  grep -h '^{' "$OUT/long_a.log" "$OUT/long_b.log" | grep -v '"figure": "machine"'
+  tail -n 3 "$W"/long-sums-sft/demo/metrics.jsonl 2>/dev/null
+  tar czf "$OUT/long_runs.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.bin' \
+    --exclude='*.pt' --exclude='*.distcp' long_a long_b long-sums-sft 2>/dev/null
+  exit 0
+fi
+
 stage gpu_tests "$T_TESTS" $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider
 
-MODEL=$W/qwen05b_shapes
 stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
 
 stage sft "$T_SFT" $PY -m arealite.launcher.local examples/sft.py --config examples/configs/arith_sft.yaml \

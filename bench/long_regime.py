@@ -33,7 +33,7 @@ re-run), tables, and WORKDIR/long_regime.png (accuracy vs wall time per arm and 
 minibatches, part b 5 minutes each.
 
     python bench/long_regime.py [--quick] [--parts a,b,c] [--seeds 1,2,3] [--budget 300]
-        [--eval-secs 30] [--target 0.30] [--lr 2e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
+        [--eval-secs 30] [--target 0.30 | --target-gain 0.1] [--lr 2e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -115,6 +115,14 @@ def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
     return round(statistics.mean(vals), 5) if vals else None
 
 
+def _rate(amount: float, wall: list[float]) -> float | None:
+    return round(amount / (wall[-1] - wall[0]), 4) if len(wall) > 1 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
 def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     """One run's figures. Off-policy figures: decoupled - KL(behaviour || current) k1 and the
     behaviour weight (proximal / behaviour, over tokens under the cap); naive and unclipped -
@@ -127,7 +135,8 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
         for r in recs
         if r.get("eval/accuracy") is not None
     ]
-    hit = next(((t, s) for t, s, a in evals if a is not None and a >= args.target), (None, None))
+    target = args.target if args.target_gain is None else round(evals[0][2] + args.target_gain, 4)
+    hit = next(((t, s) for t, s, a in evals if a is not None and a >= target), (None, None))
     later = recs[1:] or recs
     wall = [r["wall_time"] for r in recs]
     kept = _mean(later, "behave_mask_ratio")
@@ -139,16 +148,14 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
         "seed": seed,
         "budget_s": args.budget,
         "steps": len(recs),
-        "steps_per_s": round((len(wall) - 1) / max(wall[-1] - wall[0], 1e-9), 4),
-        # Trained (generated) tokens per second: steps/s alone rewards an arm whose answers got
-        # shorter, and the policy's lengths drift differently in every run.
-        "tokens_per_s": round(
-            sum(r.get("n_tokens", 0) for r in later) / max(wall[-1] - wall[0], 1e-9), 1
-        ),
+        # Rates need two steps; trained (generated) tokens per second too: steps/s alone rewards
+        # an arm whose answers got shorter, and the policy's lengths drift differently every run.
+        "steps_per_s": _rate(len(wall) - 1, wall),
+        "tokens_per_s": _rate(sum(r.get("n_tokens", 0) for r in later), wall),
         "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
         "acc_before": evals[0][2],
         "acc_end": evals[-1][2],
-        "target": args.target,
+        "target": target,
         "time_to_target_s": hit[0],
         "steps_to_target": hit[1],
         "behave_kl_k1": _mean(
@@ -197,9 +204,9 @@ def async_vs_sync(results: list[dict]) -> None:
             target=r["target"],
             sync_time_to_target_s=t_sync,
             async_time_to_target_s=t_async,
-            time_ratio_sync_over_async=round(t_sync / t_async, 2) if t_sync and t_async else None,
-            steps_per_s_ratio=round(r["steps_per_s"] / base["steps_per_s"], 2),
-            tokens_per_s_ratio=round(r["tokens_per_s"] / max(base["tokens_per_s"], 1e-9), 2),
+            time_ratio_sync_over_async=_ratio(t_sync, t_async),
+            steps_per_s_ratio=_ratio(r["steps_per_s"], base["steps_per_s"]),
+            tokens_per_s_ratio=_ratio(r["tokens_per_s"], base["tokens_per_s"]),
             within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)),
         )
 
@@ -305,6 +312,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="seconds per run (300; quick 180)")
     p.add_argument("--eval-secs", type=int, default=30, help="evaluation period (seconds)")
     p.add_argument("--target", type=float, default=0.30, help="part a's fixed accuracy")
+    p.add_argument(
+        "--target-gain",
+        type=float,
+        default=None,
+        help="instead of --target: the warm start's accuracy plus this (e.g. a GPU warm start "
+        "whose accuracy is not known beforehand)",
+    )
     p.add_argument("--lr", type=float, default=2e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")

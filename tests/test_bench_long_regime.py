@@ -54,8 +54,12 @@ def test_a_run_summary_reads_the_regime_and_the_target():
             "rollout/interrupted_requests": 7.0,
         },
     ]
-    args = SimpleNamespace(budget=180.0, target=0.3)
+    args = SimpleNamespace(budget=180.0, target=0.3, target_gain=None)
     s = long_regime.summarize_run("eta4_decoupled_mb1", 1, recs, args)
+    gained = long_regime.summarize_run(
+        "eta4_decoupled_mb1", 1, recs, SimpleNamespace(budget=180.0, target=0.3, target_gain=0.2)
+    )
+    assert gained["target"] == 0.4 and gained["time_to_target_s"] is None  # 0.2 + 0.2 not reached
     assert s["steps_per_s"] == 0.5 and s["tokens_per_s"] == 200.0  # steps 1.. over 4 s
     assert s["time_to_target_s"] == 12.0 and s["steps_to_target"] == 2
     assert s["gen_len_p50"] == 50.0 and s["server_busy_frac"] == 0.8
