@@ -41,6 +41,12 @@ else
 fi
 T_TESTS=${T_TESTS:-100} T_MODEL=${T_MODEL:-60} T_SFT=${T_SFT:-100} T_GRPO=${T_GRPO:-150} T_VS=${T_VS:-180}
 
+need_sft() {  # a bench given no warm start would build its own tiny one: stop instead
+  [ -n "$SFT" ] && return 0
+  echo "== no SFT checkpoint under $W (see $OUT/$1.log): the stages after it are skipped"
+  exit 1
+}
+
 stage() {  # stage NAME SECONDS CMD...: run with a limit, log to OUT/NAME.log, report rc and time
   local name=$1 secs=$2 t0=$SECONDS rc
   shift 2
@@ -60,13 +66,14 @@ $PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1 
 MODEL=$W/qwen05b_shapes
 if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares the GPU
   GPU_ARGS="cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=tensor"
-  SFT_STEPS=${LONG_SFT_STEPS:-300}
+  SFT_STEPS=${LONG_SFT_STEPS:-240}  # ~0.4 s/step on an H200
   stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
-  stage long_sft "${T_LONG_SFT:-110}" $PY -m arealite.launcher.local examples/sft.py \
+  stage long_sft "${T_LONG_SFT:-150}" $PY -m arealite.launcher.local examples/sft.py \
     --config examples/configs/long_sums_sft.yaml cluster.fileroot="$W" model.path="$MODEL" \
     cluster.n_gpus_per_node=1 total_train_steps=$SFT_STEPS \
     train_dataset.options.size=$((SFT_STEPS * 32)) model.optimizer.lr=${LONG_SFT_LR:-3e-4}
   SFT=$(ls -d "$W"/long-sums-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
+  need_sft long_sft
   stage long_a "${T_LONG_A:-230}" $PY bench/long_regime.py --parts a --seeds 1 \
     --arms ${LONG_ARMS:-eta0_decoupled_mb1,eta4_decoupled_mb1} --budget ${LONG_BUDGET:-50} \
     --eval-secs 25 --target-gain 0.10 --model-path "$SFT" --workdir "$W/long_a" \
@@ -90,6 +97,7 @@ stage sft "$T_SFT" $PY -m arealite.launcher.local examples/sft.py --config examp
   total_train_steps=$SFT_STEPS train_dataset.options.size=$((SFT_STEPS * 64)) \
   model.optimizer.lr=3e-4 stats_logger.print_every=10
 SFT=$(ls -d "$W"/arith-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
+need_sft sft
 
 # VS_ARGS: e.g. "--systems arealite --runs-from trl_runs.jsonl" (TRL's runs of an earlier call)
 stage vs_trl "$T_VS" $PY bench/vs_trl.py ${VS_FLAGS---gpu} --model-path "$SFT" --seeds 1 \
