@@ -16,6 +16,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 
 
+def make_workdir(path: str | None, prefix: str) -> str:
+    """A bench's folder for its runs and resume file: `path` (created), or a fresh temporary one."""
+    import tempfile
+
+    path = os.path.abspath(path or tempfile.mkdtemp(prefix=prefix))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def emit(figure: str, **values) -> None:
     print(json.dumps({"figure": figure, **values}), flush=True)
 
@@ -50,17 +59,16 @@ def emit_machine(**extra) -> None:
         )
 
 
+def launcher_command(script: str, config: str, overrides: list[str]) -> list[str]:
+    """`python -m arealite.launcher.local examples/SCRIPT --config examples/configs/CONFIG ...`."""
+    example = os.path.join(EXAMPLES, script)
+    yaml = os.path.join(EXAMPLES, "configs", config)
+    return [sys.executable, "-m", "arealite.launcher.local", example, "--config", yaml, *overrides]
+
+
 def launch(script: str, config: str, overrides: list[str], log_path: str) -> float:
     """Run the local launcher (output to `log_path`); returns its wall seconds."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(EXAMPLES, script),
-        "--config",
-        os.path.join(EXAMPLES, "configs", config),
-        *overrides,
-    ]
+    cmd = launcher_command(script, config, overrides)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -93,15 +101,7 @@ def launch_for(
 
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(EXAMPLES, "grpo.py"),
-        "--config",
-        os.path.join(EXAMPLES, "configs", config),
-        *overrides,
-    ]
+    cmd = launcher_command("grpo.py", config, overrides)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -21,11 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
-from bench_io import emit, emit_machine, launch
+from bench_io import emit, emit_machine, launch, make_workdir
 from train_step_vs_plain import PlainStep, make_batch
 
 LOOP_BATCH = dict(n=128, lo=10, hi=17, prompt=9)  # 16 prompts x 8 samples, <= 8 new tokens
@@ -75,7 +74,7 @@ def main() -> None:
     p.add_argument("--policies", default="split,shared")
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_threads_")
+    workdir = make_workdir(args.workdir, "bench_threads_")
     emit_machine()
     from arealite.testing.tiny_model import build_tiny_model
 

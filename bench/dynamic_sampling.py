@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
-from bench_io import emit, emit_machine, launch
+from bench_io import emit, emit_machine, launch, make_workdir
 from e2e_async_vs_sync import build_warm_start, read_metrics
 
 
@@ -61,8 +60,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_dynamic_sampling_")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(args.workdir, "bench_dynamic_sampling_")
     emit_machine()
     model = args.model_path or build_warm_start(workdir, [])
     off, on = (run(model, d, args.steps, args.seed, workdir) for d in (False, True))

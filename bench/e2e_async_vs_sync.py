@@ -33,9 +33,8 @@ import glob
 import json
 import os
 import statistics
-import tempfile
 
-from bench_io import emit, launch
+from bench_io import emit, launch, make_workdir
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -158,8 +157,7 @@ def main() -> None:
     args = p.parse_args()
     if args.eta < 1:
         p.error("--eta must be >= 1 (the sync run is eta = 0)")
-    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="e2e_async_vs_sync_"))
-    os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(args.workdir, "e2e_async_vs_sync_")
     model = args.model_path or build_warm_start(workdir, args.sft_set)
 
     runs: dict[str, list[dict]] = {"async": [], "sync": []}

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
+from bench_io import make_workdir
 from e2e_async_vs_sync import emit, launch, read_metrics
 
 N_PROMPTS, N_SAMPLES, NEW_TOKENS = 4, 8, 16
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the HF baseline")
     p.add_argument("--workdir")
     a = p.parse_args()
-    workdir = os.path.abspath(a.workdir or tempfile.mkdtemp(prefix="grpo_vs_sync_hf_"))
+    workdir = make_workdir(a.workdir, "grpo_vs_sync_hf_")
     model = build_model(workdir)
     hf = {}  # the baseline at its best thread count (2 threads lose badly on a loaded machine)
     for threads in sorted({1, a.threads}):

@@ -43,9 +43,8 @@ import glob
 import json
 import os
 import statistics
-import tempfile
 
-from bench_io import emit, emit_machine, launch_for, read_jsonl
+from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 from vs_trl import TASKS, compare, run_arealite, run_trl
 
@@ -336,8 +335,7 @@ def parse_args() -> argparse.Namespace:
     args.arms = args.arms.split(",") if args.arms else list(dict.fromkeys(arms))
     for arm in args.arms:
         parse_arm(arm)
-    args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="long_regime_"))
-    os.makedirs(args.workdir, exist_ok=True)
+    args.workdir = make_workdir(args.workdir, "long_regime_")
     return args
 
 

@@ -30,9 +30,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
-from bench_io import emit, launch
+from bench_io import emit, launch, make_workdir
 
 
 def build_sft(workdir: str) -> str:
@@ -96,8 +95,7 @@ def main() -> None:
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    workdir = os.path.abspath(a.workdir or tempfile.mkdtemp(prefix="lora_vs_full_"))
-    os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(a.workdir, "lora_vs_full_")
     sft = a.sft or build_sft(workdir)
     common = [f"total_train_steps={a.steps}", *a.set]
     lora = run_arm("lora", "arith_grpo_lora.yaml", sft, workdir, common + a.lora_set)

@@ -70,6 +70,14 @@ LAYOUTS = {  # name -> overrides of the shipped config
 
 # Measured cases: tiny_model sizes, tokens per micro-batch (sequences of 128), checkpointing.
 SEQ = 128
+ACTIVATIONS_MODEL = dict(
+    hidden_size=512,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    intermediate_size=2048,
+    model_vocab_size=1024,
+)
 CASES = {
     "states": (
         dict(
@@ -95,30 +103,9 @@ CASES = {
         2048,
         False,
     ),
-    "activations": (
-        dict(
-            hidden_size=512,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=2,
-            intermediate_size=2048,
-            model_vocab_size=1024,
-        ),
-        1024,
-        False,
-    ),
-    "checkpointing": (
-        dict(
-            hidden_size=512,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=2,
-            intermediate_size=2048,
-            model_vocab_size=1024,
-        ),
-        1024,
-        True,
-    ),
+    # The same model and micro-batch with and without activation checkpointing.
+    "activations": (ACTIVATIONS_MODEL, 1024, False),
+    "checkpointing": (ACTIVATIONS_MODEL, 1024, True),
 }
 
 

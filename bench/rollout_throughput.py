@@ -200,13 +200,7 @@ def launch_vllm(
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = VLLMServerProcess(proc, "127.0.0.1", port, log_path)
-    try:
-        server.wait_healthy(timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return VLLMServerProcess(proc, "127.0.0.1", port, log_path).started(timeout)
 
 
 # ---- driver ------------------------------------------------------------------------------------

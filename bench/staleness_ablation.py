@@ -38,9 +38,8 @@ import glob
 import json
 import os
 import statistics
-import tempfile
 
-from bench_io import emit, emit_machine, launch_for, read_jsonl
+from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
 ETAS = (0, 1, 2, 4, 8)
@@ -236,8 +235,7 @@ def parse_args() -> argparse.Namespace:
     args.arms = args.arms.split(",") if args.arms else list(QUICK_ARMS if q else ARMS)
     if bad := [a for a in args.arms if a not in ARMS]:
         p.error(f"unknown arms {bad}; choose from {list(ARMS)}")
-    args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="staleness_"))
-    os.makedirs(args.workdir, exist_ok=True)
+    args.workdir = make_workdir(args.workdir, "staleness_")
     return args
 
 

@@ -34,15 +34,13 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
-from bench_io import EXAMPLES, REPO, emit, emit_machine
+from bench_io import REPO, emit, emit_machine, launch_for, make_workdir, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
 from arealite.utils.hardware import resolve_dtype
@@ -130,31 +128,10 @@ def run_arealite(
         f"actor.optimizer.lr_scheduler_type={schedule}",
         *extra,
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(EXAMPLES, "grpo.py"),
-        "--config",
-        os.path.join(EXAMPLES, "configs", task.grpo_config),
-        *args,
-    ]
     metrics = os.path.join(workdir, "vs-trl", run, "metrics.jsonl")
-    cpu0, t0 = cpu_seconds_of_children(), time.monotonic()
-    with open(os.path.join(workdir, f"arealite_{run}.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            time.sleep(2)
-            recs = read_jsonl(metrics)
-            if any(
-                r.get("eval/accuracy") is not None and r["wall_time"] >= minutes * 60 for r in recs
-            ):
-                break
-            if time.monotonic() - t0 > minutes * 60 + 300:
-                break  # an evaluation that never comes must not hang the bench
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    recs = read_jsonl(metrics)
+    log = os.path.join(workdir, f"arealite_{run}.log")
+    cpu0 = cpu_seconds_of_children()
+    recs = launch_for(task.grpo_config, args, metrics, log, minutes * 60)
     evals = [(0.0, recs[0]["eval/accuracy_before_training"])] if recs else []
     evals += [
         (r["wall_time"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None
@@ -179,13 +156,6 @@ def run_arealite(
         informative,
         task.levels,
     )
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip().endswith("}")]
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -512,8 +482,7 @@ def main() -> None:
             args.lr,
             TASKS[args.task],
         )
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = make_workdir(args.workdir, "bench_vs_trl_")
     emit_machine()
     task = TASKS[args.task]
     model = args.model_path or build_warm_start(workdir, [], task.sft_config)

@@ -57,3 +57,30 @@ def build_engine():
     yield build
     for engine in engines:
         engine.destroy()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """One embedded server on the tiny model (fp32, one thread) shared by the tests that only
+    generate through it: none of them pauses it, aborts on it or loads weights into it."""
+    from arealite.server.process import launch_server
+
+    with launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32") as server:
+        yield server
+
+
+@pytest.fixture
+def tiny_executor(tiny_server):
+    """A fresh workflow executor (consumer batch 64, its own counters) on a client of the shared
+    tiny server."""
+    from arealite.api.cli_args import RolloutConfig
+    from arealite.inference.sglang_remote import RemoteSGLangEngine
+    from arealite.rollout import WorkflowExecutor
+
+    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
+    engine.initialize([tiny_server.address])
+    executor = WorkflowExecutor(engine.config, engine)
+    executor.initialize()
+    yield executor
+    executor.destroy()
+    engine.destroy()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from _engine_recorder import Recorder
 from transformers import AutoTokenizer
 
 from arealite.agent import AgentWorkflow, Interaction, InteractionTree, TrainingOpenAIClient
@@ -103,21 +104,6 @@ def engine(tool_model_dir):
     yield e
     e.destroy()
     server.stop()
-
-
-class Recorder:
-    """Passes calls through to the real engine and keeps every (input_ids, response)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def agenerate(self, req):
-        resp = await self.engine.agenerate(req)
-        self.calls.append((list(req.input_ids), resp))
-        return resp
-
-    def get_version(self):
-        return self.engine.get_version()
 
 
 def _client(engine, tokenizer, **g) -> tuple[TrainingOpenAIClient, Recorder]:

@@ -12,7 +12,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from arealite.agent.proxy import AgentProxy
-from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 
 pytest.importorskip("openai")
@@ -68,29 +67,6 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from arealite.inference.sglang_remote import RemoteSGLangEngine
-    from arealite.server.process import launch_server
-
-    server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
-    e.initialize([server.address])
-    yield e
-    e.destroy()
-    server.stop()
-
-
-@pytest.fixture
-def executor(engine):
-    from arealite.rollout import WorkflowExecutor
-
-    ex = WorkflowExecutor(RolloutConfig(consumer_batch_size=64), engine)
-    ex.initialize()
-    yield ex
-    ex.destroy()
-
-
 @pytest.fixture
 def proxy(tokenizer):
     gconfig = GenerationHyperparameters(max_new_tokens=4)
@@ -111,11 +87,11 @@ def run_agents(tmp_path, proxy, mode: str, count: int) -> subprocess.Popen:
     )
 
 
-def rollout(executor, proxy, n: int):
+def rollout(tiny_executor, proxy, n: int):
     items = [{"question": f"What is {i}+1?", "i": i} for i in range(n)]
     out = {}
     t = threading.Thread(
-        target=lambda: out.update(batch=executor.rollout_batch(items, proxy.workflow))
+        target=lambda: out.update(batch=tiny_executor.rollout_batch(items, proxy.workflow))
     )
     t.start()
     return t, out
@@ -129,8 +105,8 @@ def finish(agents: subprocess.Popen, t: threading.Thread, out: dict):
     return json.loads(stdout), out["batch"]
 
 
-def test_agent_process_trains_through_the_proxy(tmp_path, executor, proxy):
-    t, out = rollout(executor, proxy, 3)
+def test_agent_process_trains_through_the_proxy(tmp_path, tiny_executor, proxy):
+    t, out = rollout(tiny_executor, proxy, 3)
     results, batch = finish(run_agents(tmp_path, proxy, "full", 3), t, out)
     assert sorted(r["i"] for r in results) == [0, 1, 2]
     assert all(r["end"] == "finished" and r["second_end"] == 409 for r in results)
@@ -144,8 +120,8 @@ def test_agent_process_trains_through_the_proxy(tmp_path, executor, proxy):
     assert proxy.open_sessions == 0 and proxy.queued_tasks == 0
 
 
-def test_sessions_without_reward_or_end_are_dropped_and_counted(tmp_path, executor, proxy):
-    t, out = rollout(executor, proxy, 4)
+def test_sessions_without_reward_or_end_are_dropped_and_counted(tmp_path, tiny_executor, proxy):
+    t, out = rollout(tiny_executor, proxy, 4)
     no_reward = run_agents(tmp_path, proxy, "no_reward", 2)
     abandon = run_agents(tmp_path, proxy, "abandon", 2)
     a_out, _ = abandon.communicate(timeout=300)
@@ -154,14 +130,14 @@ def test_sessions_without_reward_or_end_are_dropped_and_counted(tmp_path, execut
     assert len(json.loads(a_out)) == 2
     assert batch.batch_size[0] == 0  # nothing trained
     assert proxy.stats["no_reward"] == 2 and proxy.stats["timed_out"] == 2
-    stats = executor.stats()
+    stats = tiny_executor.stats()
     assert stats["rejected"] == 4 and stats["accepted"] == 0 and stats["running"] == 0
     assert proxy.open_sessions == 0 and proxy.queued_tasks == 0
 
 
-def test_64_concurrent_sessions_nothing_leaks_nothing_twice(tmp_path, executor, proxy):
+def test_64_concurrent_sessions_nothing_leaks_nothing_twice(tmp_path, tiny_executor, proxy):
     proxy.session_timeout = 120.0  # 64 sessions share 2 cores: none should expire here
-    t, out = rollout(executor, proxy, 64)
+    t, out = rollout(tiny_executor, proxy, 64)
     results, batch = finish(run_agents(tmp_path, proxy, "quick", 64), t, out)
     assert sorted(r["i"] for r in results) == list(range(64))
     assert all(r["end"] == "finished" and r["second_end"] == 409 for r in results)
@@ -170,14 +146,14 @@ def test_64_concurrent_sessions_nothing_leaks_nothing_twice(tmp_path, executor, 
     assert proxy.open_sessions == 0 and proxy.queued_tasks == 0
 
 
-def test_an_episode_is_a_grpo_group_of_n_samples_sessions(tmp_path, executor, tokenizer):
+def test_an_episode_is_a_grpo_group_of_n_samples_sessions(tmp_path, tiny_executor, tokenizer):
     """GRPO normalises over adjacent rows of one prompt: each episode must offer its item
     `n_samples` times and return those sessions together."""
     gconfig = GenerationHyperparameters(n_samples=3, max_new_tokens=4)
     p = AgentProxy(tokenizer, gconfig, api_key=PROXY_KEY, session_timeout=30.0)
     p.start()
     try:
-        t, out = rollout(executor, p, 2)
+        t, out = rollout(tiny_executor, p, 2)
         results, batch = finish(run_agents(tmp_path, p, "quick", 6), t, out)
     finally:
         p.stop()

@@ -18,7 +18,6 @@ from transformers import AutoTokenizer
 
 from arealite.agent.route import AgentRoute
 from arealite.api.agent_config import AgentConfig
-from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 
 openai = pytest.importorskip("openai")
@@ -59,23 +58,6 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def executor(tiny_model_dir):
-    from arealite.inference.sglang_remote import RemoteSGLangEngine
-    from arealite.rollout import WorkflowExecutor
-    from arealite.server.process import launch_server
-
-    server = launch_server(tiny_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
-    engine.initialize([server.address])
-    ex = WorkflowExecutor(RolloutConfig(consumer_batch_size=64), engine)
-    ex.initialize()
-    yield ex
-    ex.destroy()
-    engine.destroy()
-    server.stop()
-
-
 def rows(n: int, **extra) -> list[dict]:
     return [
         {
@@ -88,7 +70,7 @@ def rows(n: int, **extra) -> list[dict]:
     ]
 
 
-def test_example_agent_trains_from_config_alone(tmp_path, executor, tokenizer):
+def test_example_agent_trains_from_config_alone(tmp_path, tiny_executor, tokenizer):
     """agent.command = the shipped example; two turns per session; greedy evaluation reuses the
     same proxy and workers; keys reach the agents in their environment, not their argv."""
     cfg = AgentConfig(command=f"{sys.executable} {EXAMPLE}", workers=4)
@@ -98,12 +80,12 @@ def test_example_agent_trains_from_config_alone(tmp_path, executor, tokenizer):
         greedy = GenerationHyperparameters(n_samples=1, max_new_tokens=3, greedy=True)
         evaluate = route(None, greedy, tokenizer)
         assert evaluate.proxy is train.proxy  # one proxy, one set of agents
-        batch = executor.rollout_batch(rows(3), train)
+        batch = tiny_executor.rollout_batch(rows(3), train)
         assert batch["input_ids"].shape[0] == 6  # 3 groups of 2 sessions, one row each
         starts = (batch["loss_mask"][:, 1:].int() - batch["loss_mask"][:, :-1].int()) == 1
         assert (starts.sum(1) == 2).all()  # both turns' tokens are trained, in one row
         assert set(batch["rewards"].tolist()) <= {0.0, 1.0}
-        assert executor.rollout_batch(rows(2), evaluate)["input_ids"].shape[0] == 2
+        assert tiny_executor.rollout_batch(rows(2), evaluate)["input_ids"].shape[0] == 2
         stats = train.reward_stats
         assert stats["finished"] == 8 and stats["agent_starts"] == 4
         assert not stats.get("agent_restarts")
@@ -116,7 +98,9 @@ def test_example_agent_trains_from_config_alone(tmp_path, executor, tokenizer):
         route.close()
 
 
-def test_crash_and_garbage_are_dropped_counted_and_the_run_goes_on(executor, tokenizer, tmp_path):
+def test_crash_and_garbage_are_dropped_counted_and_the_run_goes_on(
+    tiny_executor, tokenizer, tmp_path
+):
     from arealite.reward.pool import RewardPool
 
     script = tmp_path / "faulty_agent.py"
@@ -129,12 +113,12 @@ def test_crash_and_garbage_are_dropped_counted_and_the_run_goes_on(executor, tok
         items = [
             r | {"mode": m} for r, m in zip(rows(5), ["crash", "ok", "garbage", "score", "ok"])
         ]
-        batch = executor.rollout_batch(items, wf)
+        batch = tiny_executor.rollout_batch(items, wf)
         assert sorted(batch["rewards"].tolist()) == [0.25, 1.0, 1.0]  # the run went on
         s = wf.reward_stats
         assert s["agent_exited"] == 1 and s["agent_bad_reply"] == 1 and s["finished"] == 3
         assert s["agent_restarts"] == 2  # after the crash and after the garbage
-        assert executor.stats()["rejected"] >= 2
+        assert tiny_executor.stats()["rejected"] >= 2
     finally:
         route.close()
         pool.close()
@@ -182,7 +166,7 @@ def _relay_dropping_first_answer(upstream: tuple[str, int]) -> tuple[int, dict]:
     return srv.getsockname()[1], seen
 
 
-def test_sdk_retry_after_a_lost_answer_replays_it(executor, tokenizer):
+def test_sdk_retry_after_a_lost_answer_replays_it(tiny_executor, tokenizer):
     """The SDK retries a dropped connection (x-stainless-retry-count: 1): the proxy answers
     with the recorded completion, so the session keeps one branch and one training row."""
     from arealite.agent.proxy import AgentProxy
@@ -192,7 +176,7 @@ def test_sdk_retry_after_a_lost_answer_replays_it(executor, tokenizer):
     try:
         done = {}
         t = threading.Thread(
-            target=lambda: done.update(batch=executor.rollout_batch(rows(1), proxy.workflow))
+            target=lambda: done.update(batch=tiny_executor.rollout_batch(rows(1), proxy.workflow))
         )
         t.start()
         admin = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", timeout=90)
@@ -234,7 +218,9 @@ def test_no_task_within_wait_is_204_and_the_sdk_gets_an_empty_body(tokenizer):
         proxy.stop()
 
 
-def test_an_agent_that_never_works_stops_the_run_with_its_reason(executor, tokenizer, tmp_path):
+def test_an_agent_that_never_works_stops_the_run_with_its_reason(
+    tiny_executor, tokenizer, tmp_path
+):
     """Every copy dies on import: after 2 x workers lost sessions the rollout raises, naming the
     command and the agent's last stderr line, instead of training on nothing."""
     script = tmp_path / "broken_agent.py"
@@ -244,7 +230,7 @@ def test_an_agent_that_never_works_stops_the_run_with_its_reason(executor, token
         wf = route(None, GenerationHyperparameters(n_samples=2, max_new_tokens=3), tokenizer)
         assert route.workers.argv[0] == sys.executable  # `python` is this interpreter
         with pytest.raises(Exception, match="finished none") as err:
-            executor.rollout_batch(rows(4), wf)
+            tiny_executor.rollout_batch(rows(4), wf)
         said = "".join(str(e) for e in (err.value, err.value.__cause__) if e)
         assert "No module named 'no_such_agent_module'" in said and str(script) in said
     finally:

@@ -18,12 +18,12 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
+from _launch import launcher_command, read_metrics
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.integration
@@ -49,20 +49,16 @@ def trial_plan() -> list[tuple[str, float]]:
 def launcher_cmd(fileroot, trial: str, script: str, overrides: list[str]) -> list[str]:
     """`script` is sft.py or grpo.py, run on the arithmetic YAML of the same kind."""
     name = "arith_" + script.removesuffix(".py")
-    return [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(ROOT, "examples", script),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", f"{name}.yaml"),
+    return launcher_command(
+        script,
+        f"{name}.yaml",
         "experiment_name=chaos",
         f"trial_name={trial}",
         f"cluster.fileroot={fileroot}",
         "train_dataset.options.n_operands=2",
         "valid_dataset=null",
         *overrides,
-    ]
+    )
 
 
 def grpo_cmd(fileroot, trial: str, model: str) -> list[str]:
@@ -118,7 +114,9 @@ def reference(tmp_path_factory, tiny_model_dir) -> tuple[str, str]:
     model = str(root / "chaos" / "sft" / "checkpoints" / "final" / f"epoch0globalstep{SFT_STEPS}")
     run_to_end(grpo_cmd(root, "ref", model), root / "ref.log")
     ref_dir = str(root / "chaos" / "ref")
-    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+    assert any(abs(r["loss"]) > 1e-4 for r in read_metrics(ref_dir, after_kill=True)), (
+        "no learning signal"
+    )
     return model, ref_dir
 
 
@@ -170,22 +168,9 @@ def left_alive(procs: list[psutil.Process], deadline_s: float) -> list[str]:
 # ----------------------------------------------------------------------------- results
 
 
-def metrics(run_dir) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    for line in open(path):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line torn by the kill is rewritten by the resume
-    return out
-
-
 def wait_for_step(proc: subprocess.Popen, run_dir, k: int, log_path, timeout=240) -> None:
     deadline = time.monotonic() + timeout
-    while len(metrics(run_dir)) < k:
+    while len(read_metrics(run_dir, after_kill=True)) < k:
         assert proc.poll() is None, open(log_path, errors="replace").read()[-4000:]
         assert time.monotonic() < deadline, f"step {k} not reached in {timeout}s"
         time.sleep(0.05)
@@ -206,7 +191,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 def assert_like_uninterrupted(run_dir: str, ref_dir: str) -> None:
-    steps = sorted(r["step"] for r in metrics(run_dir))
+    steps = sorted(r["step"] for r in read_metrics(run_dir, after_kill=True))
     assert steps == list(range(STEPS)), f"steps logged: {steps} (each exactly once)"
     items, ref_items = trained_items(run_dir), trained_items(ref_dir)
     flat = [q for s in sorted(items) for q in items[s]]

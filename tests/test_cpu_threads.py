@@ -3,23 +3,15 @@
 import os
 
 import pytest
+from _launch import grpo_config
 
 from arealite.api.cli_args import GRPOConfig
-from arealite.api.config_loader import load_expr_config
 from arealite.launcher.environment import cpu_thread_env, trainer_env
 
 
 def config(tmp_path, allocation: str, policy: str | None = None) -> GRPOConfig:
-    args = [
-        f"allocation_mode={allocation}",
-        f"cluster.fileroot={tmp_path}",
-        "actor.path=x",
-        "experiment_name=e",
-        "trial_name=t",
-    ]
-    if policy:
-        args.append(f"launcher.cpu_threads={policy}")
-    return load_expr_config(args, GRPOConfig)
+    threads = [f"launcher.cpu_threads={policy}"] if policy else []
+    return grpo_config(tmp_path, f"allocation_mode={allocation}", *threads)
 
 
 @pytest.fixture

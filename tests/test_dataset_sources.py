@@ -102,28 +102,22 @@ def fake_datasets_cache(hf_home, repo_id: str, parquet: str) -> None:
     )
 
 
+def load_in_child(env: dict) -> subprocess.CompletedProcess:
+    """HUB_ID_IN_CACHE in a fresh interpreter with `env` (the hub's variables are read once)."""
+    cmd = [sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_hub_id_loads_offline_from_the_datasets_cache(tmp_path):
     """A hub dataset id with HF_HUB_OFFLINE=1 reads the local cache (no network)."""
     parquet = _datasets_kinds(tmp_path)["parquet"]
     fake_datasets_cache(tmp_path / "home", "org/my_data", parquet)
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run(
-        [sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = load_in_child(env)
     assert p.returncode == 0, p.stderr[-3000:]
     _check_rows(json.loads(p.stdout.strip().splitlines()[-1]), " Think.")
     env["HF_HOME"] = str(tmp_path / "empty")  # not cached: fails naming the id
-    p = subprocess.run(
-        [sys.executable, "-c", HUB_ID_IN_CACHE, json.dumps(MAPPING)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = load_in_child(env)
     assert p.returncode != 0 and "org/my_data" in p.stderr.splitlines()[-1], p.stderr[-3000:]
 
 

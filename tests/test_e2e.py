@@ -11,40 +11,15 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import local_launch, read_metrics
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(REPO, "examples")
 ETA = 2  # staleness bound of the async run
 PROMPTS, SAMPLES = 4, 2  # prompts per step, samples per prompt
-
-
-def launch(script: str, config: str, overrides: list[str], timeout: float = 300) -> str:
-    """Run the local launcher; returns its output, failing the test with it on a non-zero exit."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(EXAMPLES, script),
-        "--config",
-        os.path.join(EXAMPLES, "configs", config),
-        *overrides,
-    ]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"launcher exited with {p.returncode}:\n{out[-6000:]}"
-    return out
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def read_rollouts(run_dir: str) -> dict[int, list[dict]]:
@@ -109,7 +84,8 @@ def async_run(tmp_path_factory, tiny_model_dir):
         f"rollout.max_head_offpolicyness={ETA}",
         "saver.freq_steps=2",
     ]
-    out = launch("grpo.py", "arith_grpo.yaml", args)
+    p = local_launch("grpo.py", "arith_grpo.yaml", *args)
+    out = p.stdout + p.stderr
     return os.path.join(root, "e2e-grpo", "async"), out
 
 
@@ -126,7 +102,7 @@ def sft_run(tmp_path_factory, tiny_model_dir):
         "train_dataset.batch_size=16",
         "model.optimizer.warmup_steps_proportion=0",
     ]
-    launch("sft.py", "arith_sft.yaml", args)
+    local_launch("sft.py", "arith_sft.yaml", *args)
     return os.path.join(root, "e2e-sft", "t")
 
 
@@ -140,7 +116,7 @@ def sync_run(tmp_path_factory, sft_run):
         "allocation_mode=local.d1p1t1+d1p1t1",
         "rollout.max_head_offpolicyness=0",
     ]
-    launch("grpo.py", "arith_grpo.yaml", args)
+    local_launch("grpo.py", "arith_grpo.yaml", *args)
     return os.path.join(root, "e2e-grpo", "sync")
 
 

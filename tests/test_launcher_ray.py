@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from test_launcher_slurm import GRPO_SMALL, check_grpo_metrics, check_two_ranks, wait_for_files
+from test_launcher_slurm import check_grpo_metrics, check_two_ranks, small_grpo_args, wait_for_files
 
 from arealite.utils.network import find_free_port
 
@@ -132,18 +132,20 @@ def test_failing_rank_is_named_and_the_others_are_stopped(tmp_path, tiny_model_d
     assert_dead([rank0["pid"]])  # it was sleeping: the launcher stopped it
 
 
-def test_killed_rank_stops_everything(tmp_path, tiny_model_dir, ray_address):
+def start_two_hanging_ranks(tmp_path, tiny_model_dir, ray_address):
+    """The probe on two ranks that sleep once up: the launcher process and each rank's record."""
     args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
-    proc = launch(
-        [
-            *args,
-            f"model.path={tiny_model_dir}",
-            "allocation_mode=d2p1t1",
-            "launcher.env_vars=[PROBE_HANG=1]",
-        ],
-        wait=False,
-    )
-    ranks = wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
+    extra = [
+        f"model.path={tiny_model_dir}",
+        "allocation_mode=d2p1t1",
+        "launcher.env_vars=[PROBE_HANG=1]",
+    ]
+    proc = launch([*args, *extra], wait=False)
+    return proc, wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
+
+
+def test_killed_rank_stops_everything(tmp_path, tiny_model_dir, ray_address):
+    proc, ranks = start_two_hanging_ranks(tmp_path, tiny_model_dir, ray_address)
     os.kill(ranks[1]["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, out[-3000:] + err[-3000:]
@@ -199,15 +201,8 @@ def test_allocation_larger_than_the_ray_cluster_fails_before_starting(
 
 def test_arith_grpo_two_steps(tmp_path, tiny_model_dir, ray_address):
     args = [
-        os.path.join(ROOT, "examples", "grpo.py"),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-        "experiment_name=ray",
-        "trial_name=grpo",
-        f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}",
+        *small_grpo_args("ray", tmp_path, tiny_model_dir),
         f"launcher.ray_address={ray_address}",
-        *GRPO_SMALL,
     ]
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -225,17 +220,7 @@ def test_server_that_cannot_start_is_named(tmp_path, tiny_model_dir, ray_address
 
 
 def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir, ray_address):
-    args = base_args(CLUSTER_PROBE, tmp_path, ray_address)
-    proc = launch(
-        [
-            *args,
-            f"model.path={tiny_model_dir}",
-            "allocation_mode=d2p1t1",
-            "launcher.env_vars=[PROBE_HANG=1]",
-        ],
-        wait=False,
-    )
-    ranks = wait_for_files(str(tmp_path / "ray" / "t" / "probe" / "rank*.json"), 2, proc)
+    proc, ranks = start_two_hanging_ranks(tmp_path, tiny_model_dir, ray_address)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:] + err[-3000:]

@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from _launch import example_argv
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, load_expr_config
 from arealite.launcher.placement import plan_cluster
@@ -36,6 +37,12 @@ GRPO_SMALL = [
     "valid_dataset=null",
     "rollout.dynamic_sampling=false",  # the untrained model scores 0: the filter would drop all
 ]
+
+
+def small_grpo_args(experiment: str, fileroot, model: str) -> list[str]:
+    """The launcher's arguments for GRPO_SMALL as run `experiment`/grpo (shared with Ray's)."""
+    run = [f"experiment_name={experiment}", "trial_name=grpo", f"cluster.fileroot={fileroot}"]
+    return example_argv("grpo.py", "arith_grpo.yaml", *run, f"actor.path={model}", *GRPO_SMALL)
 
 
 def check_grpo_metrics(path) -> None:
@@ -347,16 +354,7 @@ def test_ctrl_c_cancels_every_job(slurm, tmp_path, tiny_model_dir):
 
 @pytest.mark.integration
 def test_arith_grpo_two_steps(slurm, tmp_path, tiny_model_dir):
-    args = [
-        os.path.join(ROOT, "examples", "grpo.py"),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-        "experiment_name=slurm",
-        "trial_name=grpo",
-        f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}",
-        *GRPO_SMALL,
-    ]
+    args = small_grpo_args("slurm", tmp_path, tiny_model_dir)
     p = launch(args, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     check_grpo_metrics(tmp_path / "slurm" / "grpo" / "metrics.jsonl")

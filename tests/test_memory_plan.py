@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _launch import example_argv
 
 from arealite.api.cli_args import ConfigError, GRPOConfig
 from arealite.api.config_loader import load_expr_config
@@ -18,15 +19,11 @@ from arealite.launcher.preflight import load_and_check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "memory_plan.py")
 GSM8K = os.path.join(ROOT, "examples", "configs", "gsm8k_grpo.yaml")
-QWEN15 = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    intermediate_size=8960,
-    tie_word_embeddings=True,
-)
+sys.path.insert(0, os.path.dirname(BENCH))
+
+from memory_plan import QWEN_SHAPES  # noqa: E402  (bench/memory_plan.py: the dry mode's shapes)
+
+QWEN15 = QWEN_SHAPES["Qwen2.5-1.5B"]
 
 
 def test_parameters_match_the_real_models():
@@ -93,14 +90,13 @@ def test_activation_knobs_shrink_the_trainer():
 
 
 def test_preflight_refuses_before_anything_starts(tmp_path, tiny_model_dir):
-    argv = [
-        os.path.join(ROOT, "examples", "grpo.py"),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
+    argv = example_argv(
+        "grpo.py",
+        "arith_grpo.yaml",
         f"cluster.fileroot={tmp_path}",
         f"actor.path={tiny_model_dir}",
         "cluster.n_gpus_per_node=2",
-    ]
+    )
     load_and_check([*argv, "cluster.gpu_memory_gb=8"])
     with pytest.raises(ConfigError, match="GPU with trainer rank needs .* GiB but has 0.5"):
         load_and_check([*argv, "cluster.gpu_memory_gb=0.5"])

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from _launch import grpo_config
 
 from arealite.api.cli_args import ConfigError, GRPOConfig
-from arealite.api.config_loader import load_expr_config
 from arealite.launcher.environment import trainer_env
 from arealite.launcher.placement import (
     GpuPlan,
@@ -26,15 +26,9 @@ from arealite.launcher.servers import plan_servers
 
 
 def config(tmp_path, allocation: str, gpus_per_node: int) -> GRPOConfig:
-    args = [
-        f"allocation_mode={allocation}",
-        f"cluster.fileroot={tmp_path}",
-        "actor.path=x",
-        "experiment_name=e",
-        "trial_name=t",
-        f"cluster.n_gpus_per_node={gpus_per_node}",
-    ]
-    return load_expr_config(args, GRPOConfig)
+    return grpo_config(
+        tmp_path, f"allocation_mode={allocation}", f"cluster.n_gpus_per_node={gpus_per_node}"
+    )
 
 
 def all_devices(plan) -> list[str]:

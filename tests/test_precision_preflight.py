@@ -6,6 +6,7 @@ import glob
 import os
 
 import pytest
+from _launch import grpo_config
 
 from arealite.api.cli_args import ConfigError, GRPOConfig, SFTConfig
 from arealite.api.config_loader import load_expr_config
@@ -16,13 +17,8 @@ CONFIGS = os.path.join(
 )
 
 
-def grpo(tmp_path, *overrides) -> GRPOConfig:
-    args = [f"cluster.fileroot={tmp_path}", "actor.path=x", "experiment_name=e", "trial_name=t"]
-    return load_expr_config([*args, *overrides], GRPOConfig)
-
-
 def test_bf16_master_weights_with_a_tiny_lr_are_refused(tmp_path):
-    cfg = grpo(tmp_path, "actor.dtype=bfloat16", "actor.optimizer.lr=1e-6")
+    cfg = grpo_config(tmp_path, "actor.dtype=bfloat16", "actor.optimizer.lr=1e-6")
     with pytest.raises(ConfigError) as e:
         check_master_weight_precision(cfg)
     msg = str(e.value)
@@ -38,7 +34,7 @@ def test_bf16_master_weights_with_a_tiny_lr_are_refused(tmp_path):
     ],
 )
 def test_representable_updates_pass(tmp_path, overrides):
-    check_master_weight_precision(grpo(tmp_path, *overrides))
+    check_master_weight_precision(grpo_config(tmp_path, *overrides))
 
 
 def test_sft_models_are_checked_too(tmp_path):
@@ -55,8 +51,8 @@ def test_sft_models_are_checked_too(tmp_path):
 
 
 def test_distributed_weight_update_needs_sglangs_protocol(tmp_path):
-    check_weight_update(grpo(tmp_path, "weight_update=distributed"))  # embedded server: fine
-    cfg = grpo(tmp_path, "weight_update=distributed", "allocation_mode=vllm.d1p1t1+d1p1t1")
+    check_weight_update(grpo_config(tmp_path, "weight_update=distributed"))  # embedded server: fine
+    cfg = grpo_config(tmp_path, "weight_update=distributed", "allocation_mode=vllm.d1p1t1+d1p1t1")
     with pytest.raises(ConfigError, match="with vllm use weight_update=disk"):
         check_weight_update(cfg)
 

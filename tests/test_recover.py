@@ -20,6 +20,7 @@ import urllib.request
 import psutil
 import pytest
 import torch
+from _launch import launcher_command, read_metrics
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,18 +33,8 @@ TIMING_KEYS = ("wall_time", "time", "rollout/server_", "rollout/interrupted_requ
 
 
 def launcher_cmd(script: str, config: str, fileroot, trial: str, overrides: list[str]):
-    return [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(ROOT, "examples", script),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", config),
-        "experiment_name=recover",
-        f"trial_name={trial}",
-        f"cluster.fileroot={fileroot}",
-        *overrides,
-    ]
+    run = ["experiment_name=recover", f"trial_name={trial}", f"cluster.fileroot={fileroot}"]
+    return launcher_command(script, config, *run, *overrides)
 
 
 def start(cmd, log_path, env=None) -> subprocess.Popen:
@@ -90,22 +81,9 @@ def trainer_workers(launcher_pid: int, script: str) -> list[psutil.Process]:
     return out
 
 
-def metrics(run_dir) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    records = []
-    for line in open(path):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # torn by the kill
-    return records
-
-
 def wait_for_step(proc, run_dir, k: int, log_path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
-    while len(metrics(run_dir)) < k:
+    while len(read_metrics(run_dir, after_kill=True)) < k:
         if proc.poll() is not None:
             raise AssertionError(
                 f"run ended (rc {proc.returncode}) before step {k}:\n"
@@ -149,7 +127,10 @@ def final_weights(run_dir, steps: int) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(ref_dir, run_dir, steps: int, atol: float = 1e-6) -> None:
-    a, b = comparable(metrics(ref_dir)), comparable(metrics(run_dir))
+    a, b = (
+        comparable(read_metrics(ref_dir, after_kill=True)),
+        comparable(read_metrics(run_dir, after_kill=True)),
+    )
     assert [r["step"] for r in b] == list(range(steps)), "each step logged exactly once"
     assert_same_metrics(a, b)
     wa, wb = final_weights(ref_dir, steps), final_weights(run_dir, steps)
@@ -285,7 +266,9 @@ def sync_reference(tmp_path_factory, sft_reference):
     root = tmp_path_factory.mktemp("recover_sync")
     ref_dir, ref_log = root / "recover" / "ref", root / "ref.log"
     finish(start(grpo_cmd(root, sft_model(sft_reference), "ref", SYNC), ref_log), ref_log)
-    assert any(abs(r["loss"]) > 1e-4 for r in metrics(ref_dir)), "no learning signal"
+    assert any(abs(r["loss"]) > 1e-4 for r in read_metrics(ref_dir, after_kill=True)), (
+        "no learning signal"
+    )
     return ref_dir
 
 
@@ -360,7 +343,7 @@ def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
     finish(start(cmd, log), log)
 
     assert "resumed from" in open(log).read()
-    records = comparable(metrics(run_dir))
+    records = comparable(read_metrics(run_dir, after_kill=True))
     assert [r["step"] for r in records] == list(range(ASYNC_STEPS))
     assert max(r["staleness_max"] for r in records) <= ETA
     assert all(r["n_seqs"] == 4 * 4 for r in records)  # 4 prompts x 4 samples every step

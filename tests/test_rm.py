@@ -7,11 +7,10 @@ import glob
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _launch import local_launch
 from _torchrun_fsdp import engine_config
 from transformers import AutoTokenizer
 
@@ -149,21 +148,6 @@ def test_launcher_preflight_takes_preference_data_for_a_reward_model_run(tmp_pat
         os.chdir(cwd)
 
 
-def launch(script: str, yaml: str, *overrides: str, timeout: float = 400):
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        f"examples/{script}",
-        "--config",
-        yaml,
-        *overrides,
-    ]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    return p.stdout + p.stderr
-
-
 def test_reward_spec_naming_a_directory_needs_a_reward_model(tmp_path, tiny_model_dir):
     with pytest.raises(RewardSpecError, match="without config.json"):
         resolve_reward(str(tmp_path))
@@ -176,7 +160,7 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     """examples/rm.py through the launcher, then GRPO with `reward:` naming its checkpoint: the
     reward worker scores with it (scores differ per sample, no reward errors)."""
     root = str(tmp_path / "runs")
-    launch(
+    local_launch(
         "rm.py",
         RM_YAML,
         f"model.path={tiny_model_dir}",
@@ -191,7 +175,7 @@ def test_trained_reward_model_is_the_reward_of_a_grpo_run(tmp_path, tiny_model_d
     right, wrong = (scorer("", a, prompt, tok(a)["input_ids"]) for a in ("5", "27"))
     assert right > wrong  # the trained preference, read at the appended EOS
     grpo = os.path.join(REPO, "examples", "configs", "arith_grpo.yaml")
-    launch(
+    local_launch(
         "grpo.py",
         grpo,
         f"actor.path={tiny_model_dir}",

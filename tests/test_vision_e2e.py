@@ -5,13 +5,11 @@ logprobs, a disk weight update reaching the server; then SFT and GRPO through th
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+from _launch import local_launch, read_metrics
 
 from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
@@ -26,8 +24,6 @@ from arealite.workflow.vision_rlvr import VisionRLVRWorkflow
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(REPO, "examples")
 SAMPLES = 3
 
 
@@ -156,34 +152,13 @@ def test_disk_weight_update_reaches_the_server(rollout, workflow, rows, actor, t
 # --------------------------------------------------------------------------- launcher runs
 
 
-def launch(script: str, config: str, overrides: list[str], timeout: float = 300) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "arealite.launcher.local",
-        os.path.join(EXAMPLES, script),
-        "--config",
-        os.path.join(EXAMPLES, "configs", config),
-        *overrides,
-    ]
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, (
-        f"launcher exited with {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}"
-    )
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, tiny_vlm_dir):
     root = str(tmp_path_factory.mktemp("vision_sft"))
-    launch(
+    local_launch(
         "sft.py",
         "clevr_count_70k_sft.yaml",
-        [
+        *[
             f"cluster.fileroot={root}",
             "experiment_name=vsft",
             "trial_name=t",
@@ -216,10 +191,10 @@ def test_sft_through_the_launcher_trains_and_exports_a_vlm(sft_run, tiny_vlm_dir
 
 def test_grpo_through_the_launcher_from_the_sft_export(sft_run, tmp_path):
     export = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep2")
-    launch(
+    local_launch(
         "grpo.py",
         "clevr_count_70k_grpo.yaml",
-        [
+        *[
             f"cluster.fileroot={tmp_path}",
             "experiment_name=vgrpo",
             "trial_name=t",

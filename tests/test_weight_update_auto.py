@@ -3,23 +3,13 @@ the trainer's GPU, the NCCL broadcast where they are on other GPUs of the node, 
 else; the launcher resolves it once and hands the trainer the choice as an override."""
 
 import logging
-import os
 
 import pytest
+from _launch import example_argv, grpo_config
 
-from arealite.api.cli_args import GRPOConfig
-from arealite.api.config_loader import load_expr_config
 from arealite.api.weight_update import choose_weight_update, resolve_weight_update
 from arealite.launcher.placement import check_resources
 from arealite.launcher.preflight import check_weight_update, load_and_check
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def grpo(tmp_path, *overrides) -> GRPOConfig:
-    args = [f"cluster.fileroot={tmp_path}", "actor.path=x", "experiment_name=e", "trial_name=t"]
-    return load_expr_config([*args, *overrides], GRPOConfig)
-
 
 CASES = [  # (overrides, expected mode, a word of the reason)
     (
@@ -64,7 +54,7 @@ CASES = [  # (overrides, expected mode, a word of the reason)
 
 @pytest.mark.parametrize("overrides,mode,why", CASES)
 def test_auto_picks_the_fastest_transport_the_layout_allows(tmp_path, overrides, mode, why):
-    cfg = grpo(tmp_path, *overrides)
+    cfg = grpo_config(tmp_path, *overrides)
     assert cfg.weight_update == "auto"  # the default
     chosen, reason = choose_weight_update(cfg)
     assert (chosen, why in reason) == (mode, True), reason
@@ -74,23 +64,19 @@ def test_auto_picks_the_fastest_transport_the_layout_allows(tmp_path, overrides,
 
 
 def test_an_explicit_mode_is_kept_and_resolution_is_logged_once(tmp_path, caplog):
-    cfg = grpo(tmp_path, "weight_update=disk", "cluster.n_gpus_per_node=2")
+    cfg = grpo_config(tmp_path, "weight_update=disk", "cluster.n_gpus_per_node=2")
     assert resolve_weight_update(cfg) == "disk"
     with caplog.at_level(logging.INFO, logger="arealite.weight_update"):
         for _ in range(2):
-            resolve_weight_update(grpo(tmp_path, "cluster.n_gpus_per_node=3"))
+            resolve_weight_update(grpo_config(tmp_path, "cluster.n_gpus_per_node=3"))
     lines = [r.getMessage() for r in caplog.records if "weight_update auto" in r.getMessage()]
     assert len(lines) <= 1  # once per process (an earlier test may have logged it already)
 
 
 def test_the_launcher_resolves_once_and_passes_the_choice_to_the_trainer(tmp_path, tiny_model_dir):
-    argv = [
-        os.path.join(ROOT, "examples", "grpo.py"),
-        "--config",
-        os.path.join(ROOT, "examples", "configs", "arith_grpo.yaml"),
-        f"cluster.fileroot={tmp_path}",
-        f"actor.path={tiny_model_dir}",
-    ]
+    argv = example_argv(
+        "grpo.py", "arith_grpo.yaml", f"cluster.fileroot={tmp_path}", f"actor.path={tiny_model_dir}"
+    )
     _, script_args, config = load_and_check(argv)
     assert config.weight_update == "disk"  # a CPU run
     assert script_args[-1] == "weight_update=disk"

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import workflow_rewards as rewards
+from _engine_recorder import Recorder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arealite.api.cli_args import RolloutConfig
@@ -18,7 +19,6 @@ from arealite.api.io_struct import GenerationHyperparameters
 from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.reward.pool import RewardPool
 from arealite.rollout import WorkflowExecutor
-from arealite.server.process import launch_server
 from arealite.workflow.multi_turn import MultiTurnWorkflow
 from arealite.workflow.rlvr import RLVRWorkflow
 
@@ -32,16 +32,9 @@ DATA = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    s = launch_server(tiny_model_dir, dtype="float32")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def engine(server):
+def engine(tiny_server):
     e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=4))
-    e.initialize([server.address])
+    e.initialize([tiny_server.address])
     yield e
     e.destroy()
 
@@ -62,22 +55,6 @@ def tokenizer(tiny_model_dir):
 def prompt_ids_of(tokenizer, messages) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-class Recorder:
-    """Passes calls through to the real engine and keeps every (input_ids, response)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls = []
-
-    async def agenerate(self, req):
-        resp = await self.engine.agenerate(req)
-        self.calls.append((list(req.input_ids), resp))
-        return resp
-
-    def get_version(self):
-        return self.engine.get_version()
 
 
 def test_rlvr_episode_tensors(engine, tokenizer, tiny_model_dir, tmp_path):

@@ -72,11 +72,19 @@ class ServerProcess:
             if self.healthy():
                 return
             time.sleep(0.2)
-        self.stop()
         raise TimeoutError(
             f"arealite server at {self.address} not healthy after {timeout:.0f}s; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def started(self, timeout: float) -> ServerProcess:
+        """This server once healthy; stopped (never left running) when it is not in time."""
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
@@ -160,10 +168,4 @@ def _launch_once(model_path, port, host, dtype, api_key, extra_args, log_path, t
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
-    server = ServerProcess(proc, host, port, log_path, api_key)
-    try:
-        server.wait_healthy(timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ServerProcess(proc, host, port, log_path, api_key).started(timeout)
