@@ -79,7 +79,7 @@ if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares th
     --eval-secs 25 --target-gain 0.10 --model-path "$SFT" --workdir "$W/long_a" \
     --arealite-args "$GPU_ARGS"
   stage long_b "${T_LONG_B:-190}" $PY bench/vs_trl.py --task long_sums --gpu --model-path "$SFT" \
-    --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 2e-5 --workdir "$W/long_b"
+    --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 1e-5 --workdir "$W/long_b"
   echo "== figures"
   grep -h '^{' "$OUT/long_a.log" "$OUT/long_b.log" | grep -v '"figure": "machine"'
   tail -n 3 "$W"/long-sums-sft/demo/metrics.jsonl 2>/dev/null

@@ -33,7 +33,7 @@ re-run), tables, and WORKDIR/long_regime.png (accuracy vs wall time per arm and 
 minibatches, part b 5 minutes each.
 
     python bench/long_regime.py [--quick] [--parts a,b,c] [--seeds 1,2,3] [--budget 300]
-        [--eval-secs 30] [--target 0.30 | --target-gain 0.1] [--lr 2e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
+        [--eval-secs 30] [--target 0.30 | --target-gain 0.1] [--lr 1e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def parse_args() -> argparse.Namespace:
         help="instead of --target: the warm start's accuracy plus this (e.g. a GPU warm start "
         "whose accuracy is not known beforehand)",
     )
-    p.add_argument("--lr", type=float, default=2e-5, help="part b: both arms (the config's)")
+    p.add_argument("--lr", type=float, default=1e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")
     p.add_argument("--arealite-args", default="", help="config overrides for every arealite run")
