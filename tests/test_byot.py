@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from _launch import local_launch
@@ -68,9 +69,10 @@ def write_task(tmp_path, model: str, n_rows: int = 32) -> tuple[str, str]:
 
 
 def launch(script: str, yaml: str, *overrides: str, timeout: float = 400, env=None):
-    """(exit code, output) of the local launcher, which may fail."""
+    """(exit code, output, seconds) of the local launcher, which may fail."""
+    start = time.monotonic()
     p = local_launch(script, yaml, *overrides, ok=False, timeout=timeout, env=env)
-    return p.returncode, p.stdout + p.stderr
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -116,7 +118,7 @@ def test_preflight_fails_fast_naming_the_key(tmp_path, tiny_model_dir, override,
     yaml, run_dir = write_task(tmp_path, tiny_model_dir)
     (tmp_path / "not_a_model").mkdir()  # a folder without config.json
     override = override.format(rewards=tmp_path / "my_rewards.py", tmp=tmp_path)
-    rc, out = launch("grpo.py", yaml, *override.split(), timeout=60)
+    rc, out, _ = launch("grpo.py", yaml, *override.split(), timeout=60)
     assert rc != 0 and re.search(message, out), out[-3000:]
     assert not os.path.exists(os.path.join(run_dir, "logs", "server0.log"))  # nothing started
 
@@ -125,7 +127,7 @@ def test_preflight_checks_reward_signature(tmp_path, tiny_model_dir):
     yaml, _ = write_task(tmp_path, tiny_model_dir)
     (tmp_path / "bad.py").write_text("def score(prompt, completions):\n    return 1.0\n")
     bad = [f"reward={tmp_path / 'bad.py'}:score", "reward_weights=null"]
-    rc, out = launch("grpo.py", yaml, *bad, timeout=60)
+    rc, out, _ = launch("grpo.py", yaml, *bad, timeout=60)
     assert rc != 0 and "lacks the arguments prompt_ids, completion_ids" in out, out[-3000:]
 
 
@@ -135,7 +137,7 @@ def test_preflight_checks_reward_signature(tmp_path, tiny_model_dir):
 @pytest.mark.integration
 def test_user_jsonl_and_reward_file_train_with_grpo(tmp_path, tiny_model_dir):
     yaml, run_dir = write_task(tmp_path, tiny_model_dir)
-    rc, out = launch("grpo.py", yaml)
+    rc, out, _ = launch("grpo.py", yaml)
     assert rc == 0, out[-6000:]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(records) == 3
@@ -168,7 +170,7 @@ def test_parquet_data_and_a_hub_model_id_from_the_offline_cache(tmp_path, tiny_m
     datasets.Dataset.from_json(str(tmp_path / "my_data.jsonl")).to_parquet(parquet)
     snap = fake_hub_cache(tmp_path / "hub", "org/tiny", files_from=tiny_model_dir)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    rc, out = launch(
+    rc, out, _ = launch(
         "grpo.py", yaml, f"train_dataset.path={parquet}", "total_train_steps=2", env=env
     )
     assert rc == 0, out[-6000:]
@@ -192,7 +194,7 @@ def test_user_messages_jsonl_trains_with_sft(tmp_path, tiny_model_dir):
         f"model: {{path: {tiny_model_dir}}}\ncluster: {{fileroot: {tmp_path / 'runs'}}}\n"
         f"train_dataset: {{path: {tmp_path / 'chat.jsonl'}, batch_size: 8}}\n"
     )
-    rc, out = launch("sft.py", str(tmp_path / "sft.yaml"))
+    rc, out, _ = launch("sft.py", str(tmp_path / "sft.yaml"))
     assert rc == 0, out[-6000:]
     metrics = os.path.join(tmp_path, "runs", "byot", "sft", "metrics.jsonl")
     assert len(open(metrics).read().splitlines()) == 2

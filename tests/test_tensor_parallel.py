@@ -187,8 +187,8 @@ def test_grpo_through_the_launcher_at_t2(tmp_path, tiny_model_dir):
     ranks, one tensor group), synchronous (eta 0) so step 1 trains on tokens the pushed
     weights generated: the server's logprobs then equal the trainer's (fp32 both sides), which
     only holds if the disk update carried the t2 trainer's full, gathered weights."""
-    from test_e2e import launch as launch_run
-    from test_e2e import read_metrics, server_versions
+    from _launch import local_launch, read_metrics
+    from test_e2e import server_versions
 
     args = [
         f"cluster.fileroot={tmp_path}", "experiment_name=tp", "trial_name=t2",
@@ -199,7 +199,8 @@ def test_grpo_through_the_launcher_at_t2(tmp_path, tiny_model_dir):
         "weight_update=disk",  # varied rewards: non-zero advantages, no group filtered out
         "reward=tests/workflow_rewards.py:token_id_spread",
     ]  # fmt: skip
-    out = launch_run("grpo.py", "arith_grpo.yaml", args, timeout=900)  # ~2 min; 5 on busy cores
+    p = local_launch("grpo.py", "arith_grpo.yaml", *args, timeout=900)  # ~2 min; 5 busy
+    out = p.stdout + p.stderr
     run_dir = str(tmp_path / "tp" / "t2")
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [0, 1]
