@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +85,49 @@ def read_jsonl(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def mean_of(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
+    """Mean of `key` over the records that logged it (rounded for the bench's JSONL)."""
+    vals = [sign * r[key] for r in recs if r.get(key) is not None]
+    return round(statistics.mean(vals), 5) if vals else None
+
+
+def eval_curve(recs: list[dict]) -> list[tuple]:
+    """(wall seconds, steps trained, held-out accuracy): the warm start's evaluation at (0, 0),
+    then every step that evaluated."""
+    evals = [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
+    evals += [
+        (r["wall_time"], r["step"] + 1, r["eval/accuracy"])
+        for r in recs
+        if r.get("eval/accuracy") is not None
+    ]
+    return evals
+
+
+def rate(amount: float, wall: list[float]) -> float | None:
+    """`amount` per second of wall time between the first and last record (None below two)."""
+    return round(amount / (wall[-1] - wall[0]), 4) if len(wall) > 1 else None
+
+
+def run_figures(recs: list[dict], decoupled: bool) -> dict:
+    """The figures every GRPO arm reports: steps and their rate, the held-out curve, and
+    KL(behaviour || current) k1 over steps 1.. (step 0 is on-policy). Decoupled runs log it as
+    behave_kl_k1; in the others old = behaviour, so it is -approx_kl. capped_frac: tokens whose
+    behaviour weight passed the decoupled loss's cap (the others have no cap)."""
+    evals = eval_curve(recs)
+    later = recs[1:] or recs
+    kl_key, sign = ("behave_kl_k1", 1.0) if decoupled else ("approx_kl", -1.0)
+    kept = mean_of(later, "behave_mask_ratio")
+    return {
+        "steps": len(recs),
+        "steps_per_s": rate(len(recs) - 1, [r["wall_time"] for r in recs]),
+        "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
+        "acc_before": evals[0][2],
+        "acc_end": evals[-1][2],
+        "behave_kl_k1": mean_of(later, kl_key, sign),
+        "capped_frac": round(1 - kept, 5) if decoupled and kept is not None else 0.0,
+    }
 
 
 def launch_for(

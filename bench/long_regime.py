@@ -44,6 +44,7 @@ import json
 import os
 import statistics
 
+import bench_io
 from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 from vs_trl import TASKS, compare, run_arealite, run_trl
@@ -109,15 +110,6 @@ def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
     ]
 
 
-def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
-    vals = [sign * r[key] for r in recs if r.get(key) is not None]
-    return round(statistics.mean(vals), 5) if vals else None
-
-
-def _rate(amount: float, wall: list[float]) -> float | None:
-    return round(amount / (wall[-1] - wall[0]), 4) if len(wall) > 1 else None
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -128,44 +120,27 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     old = behaviour, so KL k1 = -approx_kl and the weight is current / behaviour."""
     eta, loss, mb = parse_arm(arm)
     decoupled = loss == "decoupled"
-    evals = [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
-    evals += [
-        (r["wall_time"], r["step"] + 1, r["eval/accuracy"])
-        for r in recs
-        if r.get("eval/accuracy") is not None
-    ]
+    evals = bench_io.eval_curve(recs)
     target = args.target if args.target_gain is None else round(evals[0][2] + args.target_gain, 4)
     hit = next(((t, s) for t, s, a in evals if a is not None and a >= target), (None, None))
     later = recs[1:] or recs
-    wall = [r["wall_time"] for r in recs]
-    kept = _mean(later, "behave_mask_ratio")
+    run = dict(arm=arm, eta=eta, loss=loss, minibatches=mb, seed=seed, budget_s=args.budget)
     return {
-        "arm": arm,
-        "eta": eta,
-        "loss": loss,
-        "minibatches": mb,
-        "seed": seed,
-        "budget_s": args.budget,
-        "steps": len(recs),
-        # Rates need two steps; trained (generated) tokens per second too: steps/s alone rewards
-        # an arm whose answers got shorter, and the policy's lengths drift differently every run.
-        "steps_per_s": _rate(len(wall) - 1, wall),
-        "tokens_per_s": _rate(sum(r.get("n_tokens", 0) for r in later), wall),
-        "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
-        "acc_before": evals[0][2],
-        "acc_end": evals[-1][2],
+        **run,
+        **bench_io.run_figures(recs, decoupled),
+        # Trained (generated) tokens per second too: steps/s alone rewards an arm whose answers
+        # got shorter, and the policy's lengths drift differently every run.
+        "tokens_per_s": bench_io.rate(
+            sum(r.get("n_tokens", 0) for r in later), [r["wall_time"] for r in recs]
+        ),
         "target": target,
         "time_to_target_s": hit[0],
         "steps_to_target": hit[1],
-        "behave_kl_k1": _mean(
-            later, "behave_kl_k1" if decoupled else "approx_kl", 1.0 if decoupled else -1.0
-        ),
-        "imp_weight_std": _mean(
+        "imp_weight_std": bench_io.mean_of(
             later, "behave_imp_weight_std" if decoupled else "importance_weight_std"
         ),
-        "capped_frac": round(1 - kept, 5) if decoupled and kept is not None else 0.0,
         "interrupted_requests": sum(r.get("rollout/interrupted_requests", 0) for r in recs),
-        **{k.replace("rollout/", ""): _mean(later, k) for k in REGIME_KEYS},
+        **{k.replace("rollout/", ""): bench_io.mean_of(later, k) for k in REGIME_KEYS},
     }
 
 

@@ -39,6 +39,7 @@ import json
 import os
 import statistics
 
+import bench_io
 from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
@@ -82,47 +83,26 @@ def run_arm(arm: str, seed: int, model: str, args) -> list[dict]:
     )
 
 
-def _mean(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
-    vals = [sign * r[key] for r in recs if r.get(key) is not None]
-    return round(statistics.mean(vals), 5) if vals else None
-
-
 def summarize_run(arm: str, seed: int, recs: list[dict], budget: float) -> dict:
     """One run's figures. Off-policy statistics are means over steps 1.. (step 0 is on-policy).
     Decoupled: behave_kl_k1 / behave_imp_weight (proximal / behaviour, over kept tokens),
-    masked = 1 - behave_mask_ratio. Naive: old = behaviour, so importance_weight is current /
+    capped = 1 - behave_mask_ratio. Naive: old = behaviour, so importance_weight is current /
     behaviour and KL(behaviour || current) k1 = -approx_kl; the cap never applies."""
     eta, decoupled = ARMS[arm]
-    evals = [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
-    evals += [
-        (r["wall_time"], r["step"] + 1, r["eval/accuracy"])
-        for r in recs
-        if r.get("eval/accuracy") is not None
-    ]
+    evals = bench_io.eval_curve(recs)
     half = min(evals, key=lambda e: abs(e[0] - budget / 2))
     later = recs[1:] or recs
-    wall = [r["wall_time"] for r in recs]
-    masked = _mean(later, "behave_mask_ratio")
+    run = dict(arm=arm, eta=eta, decoupled=decoupled, seed=seed, budget_s=budget)
     return {
-        "arm": arm,
-        "eta": eta,
-        "decoupled": decoupled,
-        "seed": seed,
-        "budget_s": budget,
-        "steps": len(recs),
-        "steps_per_s": round((len(wall) - 1) / max(wall[-1] - wall[0], 1e-9), 4),
-        "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
-        "acc_before": evals[0][2],
-        "acc_end": evals[-1][2],
+        **run,
+        **bench_io.run_figures(recs, decoupled),
         "acc_half": half[2],
-        "staleness": _mean(later, "staleness"),
-        "behave_kl_k1": _mean(
-            later, "behave_kl_k1" if decoupled else "approx_kl", 1.0 if decoupled else -1.0
+        "staleness": bench_io.mean_of(later, "staleness"),
+        "imp_weight": bench_io.mean_of(
+            later, "behave_imp_weight" if decoupled else "importance_weight"
         ),
-        "imp_weight": _mean(later, "behave_imp_weight" if decoupled else "importance_weight"),
-        "masked_frac": round(1 - masked, 5) if decoupled and masked is not None else 0.0,
-        "clip_ratio": _mean(later, "clip_ratio"),
-        "reward": _mean(later, "ppo_actor/reward_raw"),
+        "clip_ratio": bench_io.mean_of(later, "clip_ratio"),
+        "reward": bench_io.mean_of(later, "ppo_actor/reward_raw"),
     }
 
 
@@ -153,7 +133,7 @@ def arm_table(results: list[dict]) -> list[dict]:
         ):
             m, s = mean_std(vals)
             row[key], row[f"{key}_std"] = round(m, 4), round(s, 4)
-        for key in ("steps_per_s", "behave_kl_k1", "imp_weight", "masked_frac", "clip_ratio"):
+        for key in ("steps_per_s", "behave_kl_k1", "imp_weight", "capped_frac", "clip_ratio"):
             vals = [r[key] for r in rs if r[key] is not None]
             row[key] = round(statistics.mean(vals), 5) if vals else None
         rows.append(row)
@@ -175,7 +155,7 @@ def print_table(rows: list[dict]) -> None:
         ]
         rest = [
             f"{r[k]:.4g}" if r[k] is not None else "-"
-            for k in ("steps_per_s", "behave_kl_k1", "imp_weight", "masked_frac", "clip_ratio")
+            for k in ("steps_per_s", "behave_kl_k1", "imp_weight", "capped_frac", "clip_ratio")
         ]
         print("| " + " | ".join([r["arm"], str(r["seeds"]), *pm, *rest]) + " |", flush=True)
 
