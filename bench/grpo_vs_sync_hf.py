@@ -30,16 +30,9 @@ N_PROMPTS, N_SAMPLES, NEW_TOKENS = 4, 8, 16
 
 
 def build_model(workdir: str) -> str:
-    from arealite.testing.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model, model_sizes
 
-    return build_tiny_model(
-        os.path.join(workdir, "model"),
-        hidden_size=256,
-        num_layers=6,
-        intermediate_size=768,
-        num_heads=8,
-        num_kv_heads=4,
-    )
+    return build_tiny_model(os.path.join(workdir, "model"), **model_sizes(256, 6, 8, 768, 4))
 
 
 def sync_hf_loop(model_dir: str, steps: int, threads: int) -> list[float]:

@@ -35,27 +35,26 @@ from arealite.launcher.memory_plan import (  # noqa: E402
     plan_memory,
     trainer_terms,
 )
+from arealite.testing.tiny_model import model_sizes  # noqa: E402
 
-# config.json fields of the real models (hub configs), for a plan without any download.
+
+def qwen25_config(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
+    """The config.json fields the plan reads, for a Qwen2.5 size (2 KV heads, tied embeddings,
+    its 151,936-token vocabulary): a plan without any download."""
+    return dict(
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        intermediate_size=intermediate,
+        tie_word_embeddings=True,
+    )
+
+
 QWEN_SHAPES = {
-    "Qwen2.5-0.5B": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        tie_word_embeddings=True,
-    ),
-    "Qwen2.5-1.5B": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        tie_word_embeddings=True,
-    ),
+    "Qwen2.5-0.5B": qwen25_config(896, 24, 14, 4864),
+    "Qwen2.5-1.5B": qwen25_config(1536, 28, 12, 8960),
 }
 GSM8K = os.path.join(ROOT, "examples", "configs", "gsm8k_grpo.yaml")
 LAYOUTS = {  # name -> overrides of the shipped config
@@ -70,39 +69,12 @@ LAYOUTS = {  # name -> overrides of the shipped config
 
 # Measured cases: tiny_model sizes, tokens per micro-batch (sequences of 128), checkpointing.
 SEQ = 128
-ACTIVATIONS_MODEL = dict(
-    hidden_size=512,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    intermediate_size=2048,
-    model_vocab_size=1024,
-)
+
+
+ACTIVATIONS_MODEL = model_sizes(512, 4, 8, 2048, model_vocab=1024)
 CASES = {
-    "states": (
-        dict(
-            hidden_size=512,
-            num_layers=6,
-            num_heads=8,
-            num_kv_heads=2,
-            intermediate_size=2048,
-            model_vocab_size=8192,
-        ),
-        256,
-        False,
-    ),
-    "logits": (
-        dict(
-            hidden_size=256,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=512,
-            model_vocab_size=16384,
-        ),
-        2048,
-        False,
-    ),
+    "states": (model_sizes(512, 6, 8, 2048, model_vocab=8192), 256, False),
+    "logits": (model_sizes(256, 2, 4, 512, model_vocab=16384), 2048, False),
     # The same model and micro-batch with and without activation checkpointing.
     "activations": (ACTIVATIONS_MODEL, 1024, False),
     "checkpointing": (ACTIVATIONS_MODEL, 1024, True),

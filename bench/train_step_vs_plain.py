@@ -48,15 +48,11 @@ CASES = {
 
 
 def build_model(case: dict, out_dir: str) -> str:
-    from arealite.testing.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model, model_sizes
 
+    c = case
     return build_tiny_model(
-        out_dir,
-        hidden_size=case["hidden"],
-        num_layers=case["layers"],
-        intermediate_size=case["inter"],
-        num_heads=case["heads"],
-        num_kv_heads=case["kv"],
+        out_dir, **model_sizes(c["hidden"], c["layers"], c["heads"], c["inter"], c["kv"])
     )
 
 

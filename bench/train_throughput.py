@@ -259,18 +259,11 @@ def main() -> None:
     if a.child == "upload":
         return run_upload(a)
 
-    from arealite.testing.tiny_model import build_tiny_model
+    from arealite.testing.tiny_model import build_tiny_model, model_sizes
 
     with tempfile.TemporaryDirectory() as d:
         tiny = build_tiny_model(os.path.join(d, "tiny"))
-        big = build_tiny_model(
-            os.path.join(d, "m50"),
-            hidden_size=512,
-            num_layers=12,
-            num_heads=8,
-            num_kv_heads=4,
-            intermediate_size=2048,
-        )
+        big = build_tiny_model(os.path.join(d, "m50"), **model_sizes(512, 12, 8, 2048, 4))
         common = ["--rounds", str(a.rounds), "--threads", str(a.threads)]
         train = child(
             [

@@ -15,6 +15,7 @@ Usage: ``python -m arealite.testing.tiny_model OUT_DIR [--hidden-size 256 --laye
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -138,16 +139,19 @@ class TextModelSpec:
         )
 
 
+def model_sizes(
+    hidden: int, layers: int, heads: int, intermediate: int, kv_heads: int = 2, model_vocab: int = 0
+) -> dict:
+    """`build_tiny_model`'s size keywords in one positional call: a bench names a shape in a line."""
+    spec = TextModelSpec(
+        hidden, layers, heads, kv_heads, intermediate, model_vocab_size=model_vocab
+    )
+    return dataclasses.asdict(spec)
+
+
 # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings) with the tiny tokenizer, randomly
 # initialised: GPU throughput figures at a real model's size with no hub download.
-QWEN25_05B = dict(
-    hidden_size=896,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    intermediate_size=4864,
-    model_vocab_size=151936,
-)
+QWEN25_05B = model_sizes(896, 24, 14, 4864, model_vocab=151936)
 
 
 def build_tiny_model(
@@ -202,13 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         help="Qwen2.5-0.5B's sizes (494M parameters) instead of the flags above",
     )
     a = p.parse_args(argv)
-    sizes = dict(
-        hidden_size=a.hidden_size,
-        num_layers=a.layers,
-        num_heads=a.heads,
-        num_kv_heads=a.kv_heads,
-        intermediate_size=a.intermediate_size,
-    )
+    sizes = model_sizes(a.hidden_size, a.layers, a.heads, a.intermediate_size, a.kv_heads)
     if a.qwen05b:
         sizes = dict(QWEN25_05B, tie_word_embeddings=True)
     build_tiny_model(a.out_dir, seed=a.seed, **sizes)
