@@ -57,13 +57,4 @@ case "$DEMO" in
   *) echo "unknown demo $DEMO (arith | sum_then_add | calculator)" >&2; exit 2 ;;
 esac
 
-$PY - "$RUN_DIR" "$(( $(date +%s) - start ))" <<'PYEOF'
-import json, sys
-run_dir, secs = sys.argv[1], int(sys.argv[2])
-records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-before = next(r["eval/accuracy_before_training"] for r in records if r.get("eval/accuracy_before_training") is not None)
-after = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None][-1]
-print(f"\nheld-out success: {before:.1%} before GRPO -> {after:.1%} after "
-      f"({(after - before) * 100:+.1f} points) in {secs // 60}m{secs % 60:02d}s")
-print(f"curves: {run_dir}/curves.png   metrics: {run_dir}/metrics.jsonl")
-PYEOF
+$PY -m arealite.trainer.run_summary "$RUN_DIR" "$(( $(date +%s) - start ))" success

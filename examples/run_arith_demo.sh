@@ -28,14 +28,4 @@ $PY -m arealite.launcher.local examples/grpo.py --config "examples/configs/${TAS
   cluster.fileroot="$RUN" actor.path="$SFT_MODEL" ${DEMO_GRPO_ARGS:-}
 
 GRPO_DIR="$RUN/${TASK//_/-}-grpo/demo"
-$PY - "$GRPO_DIR" "$(( $(date +%s) - start ))" <<'PYEOF'
-import json, sys
-run_dir, secs = sys.argv[1], int(sys.argv[2])
-records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-before = next(r["eval/accuracy_before_training"] for r in records if r.get("eval/accuracy_before_training") is not None)
-after = [r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None][-1]
-print(f"\nheld-out accuracy: {before:.1%} after SFT -> {after:.1%} after GRPO "
-      f"({(after - before) * 100:+.1f} points) in {secs // 60}m{secs % 60:02d}s")
-print(f"curves: {run_dir}/curves.png   metrics: {run_dir}/metrics.jsonl   "
-      f"tensorboard --logdir {run_dir}/tensorboard")
-PYEOF
+$PY -m arealite.trainer.run_summary "$GRPO_DIR" "$(( $(date +%s) - start ))"

@@ -19,6 +19,7 @@ from arealite.trainer import timings
 from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.plotting import read_metrics_jsonl
 from arealite.trainer.progress import ProgressLine, find_stat, format_progress
+from arealite.trainer.run_summary import held_out_change, summary
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
 from arealite.trainer.timer import EpochStepTimeFreqCtl
@@ -106,6 +107,22 @@ def test_stats_logger_writes_tensorboard_jsonl_png_and_summary(tmp_path):
     assert summary["best"]["ppo_actor/pg_loss/avg"] == pytest.approx(0.6)
     assert summary["last"]["ppo_actor/task_reward/avg"] == pytest.approx(0.4)
     assert json.loads((tmp_path / "exp" / "trial" / "summary.json").read_text())["n_steps"] == 5
+
+
+def test_run_summary_reports_the_held_out_change_of_a_run(tmp_path):
+    logger = StatsLogger(StatsLoggerConfig(), str(tmp_path), FinetuneSpec(1, 16, 8))
+    logger.commit(0, 0, 0, {"eval/accuracy_before_training": 0.2, "eval/accuracy": 0.3})
+    logger.commit(0, 1, 1, {"eval/accuracy": None})
+    logger.commit(0, 2, 2, {"eval/accuracy": 0.55})
+    logger.close()
+    assert held_out_change(str(tmp_path)) == (0.2, 0.55)
+    line = summary(str(tmp_path), 75, "success")
+    assert "held-out success: 20.0% before GRPO -> 55.0% after (+35.0 points) in 1m15s" in line
+    logger = StatsLogger(StatsLoggerConfig(), str(tmp_path / "none"), FinetuneSpec(1, 16, 8))
+    logger.commit(0, 0, 0, {"loss": 1.0})
+    logger.close()
+    with pytest.raises(SystemExit, match="no held-out evaluation"):
+        held_out_change(str(tmp_path / "none"))
 
 
 def test_stats_logger_resume_has_no_duplicate_steps(tmp_path):
