@@ -73,14 +73,7 @@ def tiny_server(tiny_model_dir):
 def tiny_executor(tiny_server):
     """A fresh workflow executor (consumer batch 64, its own counters) on a client of the shared
     tiny server."""
-    from arealite.api.cli_args import RolloutConfig
-    from arealite.inference.sglang_remote import RemoteSGLangEngine
-    from arealite.rollout import WorkflowExecutor
+    from _rollout import rollout_executor
 
-    engine = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=64))
-    engine.initialize([tiny_server.address])
-    executor = WorkflowExecutor(engine.config, engine)
-    executor.initialize()
-    yield executor
-    executor.destroy()
-    engine.destroy()
+    with rollout_executor(tiny_server.address, consumer_batch_size=64) as executor:
+        yield executor

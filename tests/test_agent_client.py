@@ -12,7 +12,6 @@ from _engine_recorder import Recorder
 from transformers import AutoTokenizer
 
 from arealite.agent import AgentWorkflow, Interaction, InteractionTree, TrainingOpenAIClient
-from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.openai_wire.request import ChatRequestError
 
@@ -95,15 +94,13 @@ def tokenizer(tool_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tool_model_dir):
-    from arealite.inference.sglang_remote import RemoteSGLangEngine
+    from _rollout import remote_engine
+
     from arealite.server.process import launch_server
 
     server = launch_server(tool_model_dir, env={"OMP_NUM_THREADS": "1"}, dtype="float32")
-    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=4))
-    e.initialize([server.address])
-    yield e
-    e.destroy()
-    server.stop()
+    with server, remote_engine(server.address, consumer_batch_size=4) as e:
+        yield e
 
 
 def _client(engine, tokenizer, **g) -> tuple[TrainingOpenAIClient, Recorder]:

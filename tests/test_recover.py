@@ -95,6 +95,17 @@ def wait_for_step(proc, run_dir, k: int, log_path, timeout: float = 240) -> None
         time.sleep(0.05)
 
 
+def kill_at_step_and_rerun(cmd, run_dir, step: int, log) -> None:
+    """The machine dies once `step` steps are logged; the same command then resumes the run
+    and finishes it."""
+    proc = start(cmd, log)
+    wait_for_step(proc, run_dir, step, log)
+    kill_tree(proc.pid)
+    proc.wait()
+    finish(start(cmd, log), log)
+    assert "resumed from" in open(log).read()
+
+
 def comparable(records: list[dict]) -> list[dict]:
     """Per-step values that must not depend on the kill (timings and wall time do)."""
     return [
@@ -284,13 +295,7 @@ def test_sync_grpo_killed_and_rerun_matches_the_uninterrupted_run(
 
     run_dir, log = tmp_path / "recover" / "killed", tmp_path / "killed.log"
     cmd = grpo_cmd(tmp_path, model, "killed", SYNC)
-    proc = start(cmd, log)
-    wait_for_step(proc, run_dir, 2, log)
-    kill_tree(proc.pid)
-    proc.wait()
-    finish(start(cmd, log), log)
-
-    assert "resumed from" in open(log).read()
+    kill_at_step_and_rerun(cmd, run_dir, 2, log)
     assert_same_run(ref_dir, run_dir, GRPO_STEPS)
     assert trained_items(run_dir) == trained_items(ref_dir)
 
@@ -336,13 +341,7 @@ def test_async_grpo_resume_trains_every_item_once_within_the_staleness_bound(
         "actor.use_decoupled_loss=true",
     ]
     cmd = grpo_cmd(tmp_path, sft_model(sft_reference), "async", extra)
-    proc = start(cmd, log)
-    wait_for_step(proc, run_dir, 3, log)
-    kill_tree(proc.pid)
-    proc.wait()
-    finish(start(cmd, log), log)
-
-    assert "resumed from" in open(log).read()
+    kill_at_step_and_rerun(cmd, run_dir, 3, log)
     records = comparable(read_metrics(run_dir, after_kill=True))
     assert [r["step"] for r in records] == list(range(ASYNC_STEPS))
     assert max(r["staleness_max"] for r in records) <= ETA

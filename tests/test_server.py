@@ -28,6 +28,14 @@ def post(server, path: str, body=None, *, data: bytes | None = None, headers=AUT
     return r.status_code, r.json()
 
 
+def load_from_disk(server, model_path: str, version: int | None = None, **extra):
+    """POST /update_weights_from_disk; (status, body)."""
+    body = {"model_path": model_path, **extra}
+    if version is not None:
+        body["weight_version"] = version
+    return post(server, "/update_weights_from_disk", body)
+
+
 def generate(server, input_ids, return_logprob=True, **sampling) -> dict:
     status, out = post(
         server,
@@ -266,34 +274,20 @@ def test_update_weights_from_disk_changes_outputs_and_version(
     before = generate(server, p, **sp)
     v0 = before["meta_info"]["weight_version"]
 
-    status, res = post(
-        server,
-        "/update_weights_from_disk",
-        {"model_path": tiny_model_dir_v2, "weight_version": v0 + 1},
-    )
+    status, res = load_from_disk(server, tiny_model_dir_v2, v0 + 1)
     assert status == 200 and res["success"], res
     after = generate(server, p, **sp)
     assert after["meta_info"]["weight_version"] == v0 + 1
     assert after["output_ids"] != before["output_ids"]
-    assert (
-        requests.get(f"{server.url}/get_model_info", headers=AUTH).json()["weight_version"]
-        == v0 + 1
-    )
+    info = requests.get(f"{server.url}/get_model_info", headers=AUTH).json()
+    assert info["weight_version"] == v0 + 1
 
-    status, res = post(
-        server, "/update_weights_from_disk", {"model_path": "/", "weight_version": 99}
-    )
+    status, res = load_from_disk(server, "/", 99)
     assert status == 403 and not res["success"] and "allowed weight roots" in res["message"]
-    status, res = post(
-        server, "/update_weights_from_disk", {"model_path": tiny_model_dir + "_nope"}
-    )
+    status, res = load_from_disk(server, tiny_model_dir + "_nope")
     assert status == 400 and not res["success"]
 
-    status, res = post(
-        server,
-        "/update_weights_from_disk",
-        {"model_path": tiny_model_dir, "weight_version": v0 + 2},
-    )
+    status, res = load_from_disk(server, tiny_model_dir, v0 + 2)
     assert status == 200 and res["success"], res
     restored = generate(server, p, **sp)
     assert restored["output_ids"] == before["output_ids"]
@@ -306,8 +300,7 @@ def test_weight_versions_only_move_forward_unless_a_newer_owner_pushes(server, t
     owner (a higher fencing token, e.g. a resumed run) may restore an older version."""
 
     def push(version, **extra):
-        body = {"model_path": tiny_model_dir, "weight_version": version, **extra}
-        return post(server, "/update_weights_from_disk", body)
+        return load_from_disk(server, tiny_model_dir, version, **extra)
 
     served = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
     v = served["weight_version"] + 10
@@ -325,14 +318,7 @@ def test_weight_versions_only_move_forward_unless_a_newer_owner_pushes(server, t
     assert status == 409, res
     got = requests.get(f"{server.url}/get_weight_version", headers=AUTH).json()
     assert got["weight_version"] == v - 5
-    assert (
-        post(
-            server,
-            "/update_weights_from_disk",
-            {"model_path": tiny_model_dir, "fencing_token": "x"},
-        )[0]
-        == 400
-    )
+    assert load_from_disk(server, tiny_model_dir, fencing_token="x")[0] == 400
 
 
 @pytest.mark.integration
@@ -461,9 +447,9 @@ def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_di
 
     p = prompts(1, seed=7)[0]
     sp = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir_v2})[0] == 200
+    assert load_from_disk(server, tiny_model_dir_v2)[0] == 200
     want = generate(server, p, **sp)["output_ids"]
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    assert load_from_disk(server, tiny_model_dir)[0] == 200
     assert generate(server, p, **sp)["output_ids"] != want
 
     if not torch.cuda.is_available():  # NCCL on a CPU server: a clear refusal, not a hang
@@ -519,7 +505,7 @@ def test_distributed_weight_push_over_gloo(server, tiny_model_dir, tiny_model_di
     finally:
         dist.destroy_process_group(group)
         pool.shutdown()
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    assert load_from_disk(server, tiny_model_dir)[0] == 200
 
 
 @pytest.mark.integration
@@ -537,9 +523,9 @@ def test_tensor_weight_push_and_its_refusals(server, tiny_model_dir, tiny_model_
 
     p = prompts(1, seed=7)[0]
     sp = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir_v2})[0] == 200
+    assert load_from_disk(server, tiny_model_dir_v2)[0] == 200
     want = generate(server, p, **sp)["output_ids"]
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    assert load_from_disk(server, tiny_model_dir)[0] == 200
     before = generate(server, p, **sp)["output_ids"]
     state = load_file(f"{tiny_model_dir_v2}/model.safetensors")
     evil = base64.b64encode(pickle.dumps(os.system)).decode()
@@ -565,7 +551,7 @@ def test_tensor_weight_push_and_its_refusals(server, tiny_model_dir, tiny_model_
     assert status == 200 and res["success"], res
     out = generate(server, p, **sp)
     assert out["output_ids"] == want and out["meta_info"]["weight_version"] == 43
-    assert post(server, "/update_weights_from_disk", {"model_path": tiny_model_dir})[0] == 200
+    assert load_from_disk(server, tiny_model_dir)[0] == 200
 
 
 # ---- in-process units (no HTTP) ------------------------------------------------------------------

@@ -10,11 +10,9 @@ import os
 
 import pytest
 from _launch import local_launch, read_metrics
+from _rollout import rollout_executor
 
-from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters, WeightUpdateMeta
-from arealite.inference.sglang_remote import RemoteSGLangEngine
-from arealite.rollout import WorkflowExecutor
 from arealite.server.process import launch_server
 from arealite.tasks import get_custom_dataset
 from arealite.tasks.clevr_count import clevr_count_reward_fn
@@ -37,13 +35,10 @@ def server(tiny_vlm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rollout(server):
-    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=2, max_head_offpolicyness=10**6))
-    e.initialize([server.address])
-    executor = WorkflowExecutor(e.config, e)
-    executor.initialize()
-    yield executor
-    executor.destroy()
-    e.destroy()
+    with rollout_executor(
+        server.address, consumer_batch_size=2, max_head_offpolicyness=10**6
+    ) as executor:
+        yield executor
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ import urllib.request
 
 import pytest
 import torch
+from _rollout import remote_engine
 
-from arealite.api.cli_args import RolloutConfig, ServerConfig
+from arealite.api.cli_args import ServerConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
 from arealite.inference.remote_base import ServerError
 from arealite.inference.vllm_remote import RemoteVLLMEngine, token_versions
@@ -127,10 +128,8 @@ def server(tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(server):
     """One client for the module, as in a run: it remembers the weights it loaded."""
-    e = RemoteVLLMEngine(RolloutConfig(setup_timeout=60))
-    e.initialize([server.address])
-    yield e
-    e.destroy()
+    with remote_engine(server.address, RemoteVLLMEngine, setup_timeout=60) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ import pytest
 import torch
 import workflow_rewards as rewards
 from _engine_recorder import Recorder
+from _rollout import remote_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import GenerationHyperparameters
-from arealite.inference.sglang_remote import RemoteSGLangEngine
 from arealite.reward.pool import RewardPool
 from arealite.rollout import WorkflowExecutor
 from arealite.workflow.multi_turn import MultiTurnWorkflow
@@ -33,10 +32,8 @@ DATA = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_server):
-    e = RemoteSGLangEngine(RolloutConfig(consumer_batch_size=4))
-    e.initialize([tiny_server.address])
-    yield e
-    e.destroy()
+    with remote_engine(tiny_server.address, consumer_batch_size=4) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
