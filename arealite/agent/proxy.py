@@ -33,6 +33,7 @@ from arealite.agent.interactions import ExportStyle
 from arealite.api.io_struct import GenerationHyperparameters
 from arealite.api.workflow_api import RolloutWorkflow
 from arealite.utils.data import concat_padded_tensors
+from arealite.utils.loop_thread import LoopThread
 
 logger = logging.getLogger("arealite.agent")
 
@@ -158,10 +159,7 @@ class AgentProxy:
         self._closed: set[str] = set()  # ended or expired session ids (answered with 409)
         self._lock = threading.Lock()
         self._task_ready: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._started = threading.Event()
-        self._stop: asyncio.Event | None = None
+        self._loop = LoopThread("agent-proxy")
 
     def workflow_for(
         self,
@@ -177,9 +175,9 @@ class AgentProxy:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The proxy's event loop (its own thread), once started."""
-        if self._loop is None:
+        if self._loop.loop is None:
             raise RuntimeError("AgentProxy is not started")
-        return self._loop
+        return self._loop.loop
 
     @property
     def url(self) -> str:
@@ -200,8 +198,8 @@ class AgentProxy:
         with self._lock:
             self._tasks.append(task)
         self.stats["offered"] += 1
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._task_ready.set)
+        if self._task_ready is not None:
+            self._loop.call_soon(self._task_ready.set)
 
     def withdraw(self, task: _Task) -> None:
         """The episode was cancelled: forget its task or session."""
@@ -215,16 +213,18 @@ class AgentProxy:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> str:
-        self._thread = threading.Thread(target=self._serve, name="agent-proxy", daemon=True)
-        self._thread.start()
-        if not self._started.wait(30):
-            raise RuntimeError("agent proxy did not start within 30s")
+        """Serve on the proxy's own loop thread; its URL once it listens."""
+        self._loop.start()
+        try:
+            self._loop.run(self._serve()).result(30)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError("agent proxy did not start within 30s") from None
         return self.url
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(30)
+        """Stop serving (the loop cancels the reaper and the handlers, then closes the site),
+        then end every session and queued task with no result."""
+        self._loop.stop()
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
             tasks, self._tasks = list(self._tasks), deque()
@@ -233,22 +233,15 @@ class AgentProxy:
             if not t.result.done():
                 t.result.set_result(None)
 
-    def _serve(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task_ready, self._stop = asyncio.Event(), asyncio.Event()
+    async def _serve(self) -> None:
+        self._task_ready = asyncio.Event()
         runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        self._loop.add_shutdown_hook(runner.cleanup)
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
-        reaper = asyncio.ensure_future(self._reap_expired())
-        self._started.set()
-        await self._stop.wait()
-        reaper.cancel()
-        await runner.cleanup()
+        self._reaper = asyncio.ensure_future(self._reap_expired())  # a reference keeps it alive
 
     def _build_app(self) -> web.Application:
         from arealite.agent.proxy_routes import add_routes

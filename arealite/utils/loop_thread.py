@@ -1,7 +1,8 @@
 """An asyncio event loop on a daemon thread, so synchronous callers can run coroutines on it.
 
-The inference client keeps its HTTP session there and the rollout executor runs its episodes
-there; both must cancel every task and close what they opened before the loop closes.
+The inference client keeps its HTTP session there, the rollout executor runs its episodes there
+and the agent proxy serves its HTTP routes there; each must cancel every task and close what it
+opened before the loop closes (shutdown hooks).
 """
 
 from __future__ import annotations
