@@ -9,6 +9,27 @@ from collections import Counter
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# Single-valued metrics of /metrics: (name after "arealite_", type, help, attribute).
+SCALAR_METRICS = [
+    ("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", "prompt_tokens"),
+    ("generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
+    ("decode_steps_total", "counter", "Batched forward steps.", "decode_steps"),
+    (
+        "busy_seconds_total",
+        "counter",
+        "Seconds spent in batched steps (busy / wall time: the occupancy).",
+        "busy_seconds",
+    ),
+    ("running_requests", "gauge", "Requests in the decoding batch.", "running"),
+    ("waiting_requests", "gauge", "Requests queued for admission.", "waiting"),
+    ("batch_size", "gauge", "Rows in the latest step.", "last_batch_size"),
+    ("max_batch_size", "gauge", "Largest step batch seen.", "max_batch_size"),
+    ("weight_version", "gauge", "Version of the served weights.", "weight_version"),
+    ("paused", "gauge", "1 while generation is paused.", "paused"),
+    ("start_time_seconds", "gauge", "Unix time the server started.", "started"),
+]
+
+
 class ServerMetrics:
     """Updated by the scheduler thread, read by the HTTP thread; one lock guards both."""
 
@@ -80,48 +101,10 @@ class ServerMetrics:
                 "Finished /generate requests by finish reason.",
                 [(f'{{finish_reason="{t}"}}', self.requests[t]) for t in finish_types],
             )
-            metric(
-                "prompt_tokens_total",
-                "counter",
-                "Prompt tokens of finished requests.",
-                [("", self.prompt_tokens)],
-            )
-            metric(
-                "generation_tokens_total",
-                "counter",
-                "Tokens generated.",
-                [("", self.generation_tokens)],
-            )
-            metric(
-                "decode_steps_total", "counter", "Batched forward steps.", [("", self.decode_steps)]
-            )
-            metric(
-                "busy_seconds_total",
-                "counter",
-                "Seconds spent in batched steps (busy / wall time: the occupancy).",
-                [("", self.busy_seconds)],
-            )
-            metric(
-                "running_requests", "gauge", "Requests in the decoding batch.", [("", self.running)]
-            )
-            metric(
-                "waiting_requests", "gauge", "Requests queued for admission.", [("", self.waiting)]
-            )
-            metric("batch_size", "gauge", "Rows in the latest step.", [("", self.last_batch_size)])
-            metric(
-                "max_batch_size", "gauge", "Largest step batch seen.", [("", self.max_batch_size)]
-            )
+            for name, kind, help_, attr in SCALAR_METRICS:
+                value = getattr(self, attr)
+                metric(name, kind, help_, [("", int(value) if isinstance(value, bool) else value)])
             lines.extend(self._batch_histogram())
-            metric(
-                "weight_version",
-                "gauge",
-                "Version of the served weights.",
-                [("", self.weight_version)],
-            )
-            metric("paused", "gauge", "1 while generation is paused.", [("", int(self.paused))])
-            metric(
-                "start_time_seconds", "gauge", "Unix time the server started.", [("", self.started)]
-            )
             return "\n".join(lines) + "\n"
 
     def _batch_histogram(self) -> list[str]:

@@ -25,6 +25,14 @@ _VERSION = "a string (arealite also takes an integer)"  # SGLang: Optional[str]
 
 # route -> {field: (expected, required)}; rid / http_worker_ipc come from SGLang's BaseReq.
 _BASE = {"rid": (_STR, False), "http_worker_ipc": (_STR, False)}
+# Optional fields every weight-update route takes.
+_UPDATE = {
+    **_BASE,
+    "load_format": (_STR, False),
+    "flush_cache": (_BOOL, False),
+    "abort_all_requests": (_BOOL, False),
+    "weight_version": (_VERSION, False),
+}
 MODELS: dict[str, dict[str, tuple[str, bool]]] = {
     "pause_generation": {**_BASE, "mode": (_STR, False)},
     "continue_generation": {**_BASE, "torch_empty_cache": (_BOOL, False)},
@@ -35,17 +43,13 @@ MODELS: dict[str, dict[str, tuple[str, bool]]] = {
         "abort_message": (_STR, False),
     },
     "update_weights_from_disk": {
-        **_BASE,
+        **_UPDATE,
         "model_path": (_STR, True),
-        "load_format": (_STR, False),
-        "abort_all_requests": (_BOOL, False),
-        "weight_version": (_VERSION, False),
         "is_async": (_BOOL, False),
         "torch_empty_cache": (_BOOL, False),
         "keep_pause": (_BOOL, False),
         "recapture_cuda_graph": (_BOOL, False),
         "token_step": (_INT, False),
-        "flush_cache": (_BOOL, False),
         "manifest": (_DICT, False),
     },
     "init_weights_update_group": {
@@ -58,25 +62,14 @@ MODELS: dict[str, dict[str, tuple[str, bool]]] = {
         "backend": (_STR, False),
     },
     "update_weights_from_distributed": {
-        **_BASE,
+        **_UPDATE,
         "names": (_STR_LIST, True),
         "dtypes": (_STR_LIST, True),
         "shapes": (_SHAPES, True),
         "group_name": (_STR, False),
-        "flush_cache": (_BOOL, False),
-        "abort_all_requests": (_BOOL, False),
-        "weight_version": (_VERSION, False),
-        "load_format": (_STR, False),
         "torch_empty_cache": (_BOOL, False),
     },
-    "update_weights_from_tensor": {
-        **_BASE,
-        "serialized_named_tensors": (_STR_LIST, True),
-        "load_format": (_STR, False),
-        "flush_cache": (_BOOL, False),
-        "abort_all_requests": (_BOOL, False),
-        "weight_version": (_VERSION, False),
-    },
+    "update_weights_from_tensor": {**_UPDATE, "serialized_named_tensors": (_STR_LIST, True)},
     "destroy_weights_update_group": {**_BASE, "group_name": (_STR, False)},
 }
 
