@@ -25,6 +25,12 @@ from arealite.api.io_struct import (
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
+# A loss over one packed micro-batch (a dict of [T] token entries plus `cu_seqlens`,
+# `position_ids` and per-sequence entries): `loss_fn(model_output, mb)`, weighted by
+# `loss_weight_fn(mb)` (e.g. its number of loss tokens).
+LossFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+LossWeightFn = Callable[[dict[str, Any]], float]
+
 
 class TrainEngine(abc.ABC):
     """A model being trained, possibly sharded over ranks.
@@ -56,20 +62,14 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def train_batch(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, TensorDict], torch.Tensor],
-        loss_weight_fn: Callable[[TensorDict], float],
+        self, input_: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
     ) -> dict[str, float]:
         """One optimizer step on `input_`: forward, `loss_fn(logits, mb)` per micro-batch,
         backward, gradient clipping, step. Returns stats (grad_norm, lr, ...)."""
 
     @abc.abstractmethod
     def eval_batch(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, TensorDict], torch.Tensor],
-        loss_weight_fn: Callable[[TensorDict], float],
+        self, input_: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
     ) -> torch.Tensor | None:
         """The token-weighted loss of `input_` without updating weights."""
 

@@ -31,7 +31,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from arealite.api.cli_args import TrainEngineConfig
-from arealite.api.engine_api import TrainEngine
+from arealite.api.engine_api import LossFn, LossWeightFn, TrainEngine
 from arealite.engine import varlen_attention  # noqa: F401 - registers attn_impl=sdpa_varlen
 from arealite.engine.batch_validation import validate_model_batch
 from arealite.engine.fsdp import clip_grad_norm_, torch_dtype
@@ -172,10 +172,7 @@ class BaseHFEngine(TrainEngine):
     # -- TrainEngine -------------------------------------------------------------------------
 
     def train_batch(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
-        loss_weight_fn: Callable[[dict[str, Any]], float],
+        self, input_: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
     ) -> dict[str, float]:
         """One optimizer step over the (per-rank) batch. `loss_fn(out, mb)` and
         `loss_weight_fn(mb)` receive the packed micro-batch: a dict of [T] token entries plus
@@ -235,10 +232,7 @@ class BaseHFEngine(TrainEngine):
 
     @torch.no_grad()
     def eval_batch(
-        self,
-        input_: TensorDict,
-        loss_fn: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor],
-        loss_weight_fn: Callable[[dict[str, Any]], float],
+        self, input_: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn
     ) -> torch.Tensor | None:
         """The global weighted loss (same normalisation as `train_batch`); None if empty."""
         self._require_model()

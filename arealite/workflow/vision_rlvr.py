@@ -18,7 +18,6 @@ from tensordict import TensorDict
 
 from arealite.api.engine_api import InferenceEngine
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, ModelResponse
-from arealite.reward.pool import RewardPool
 from arealite.utils.data import stack_non_tensor
 from arealite.utils.vision import MM_KEY, decode_image, empty_mm_input, image_to_base64
 from arealite.workflow.rlvr import RLVRWorkflow
@@ -78,22 +77,10 @@ class VisionRLVRWorkflow(RLVRWorkflow):
         reward_fn: Callable[..., float],
         gconfig: GenerationHyperparameters,
         processor: Any,
-        enable_thinking: bool = False,
-        dump_dir: str | None = None,
-        reward_timeout: float = 15.0,
-        reward_workers: int = 2,
-        reward_pool: RewardPool | None = None,
+        **options: Any,
     ):
-        super().__init__(
-            reward_fn,
-            gconfig,
-            processor.tokenizer,
-            enable_thinking=enable_thinking,
-            dump_dir=dump_dir,
-            reward_timeout=reward_timeout,
-            reward_workers=reward_workers,
-            reward_pool=reward_pool,
-        )
+        """`options`: RLVRWorkflow's (enable_thinking, dump_dir, reward_timeout, ...)."""
+        super().__init__(reward_fn, gconfig, processor.tokenizer, **options)
         self.processor = processor
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict:
