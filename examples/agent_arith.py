@@ -22,6 +22,7 @@ from grpo import main as grpo_main  # the GRPO loop; this folder is on sys.path
 
 from arealite.agent import AgentWorkflow
 from arealite.agent.proxy import AgentProxy
+from arealite.lifecycle.fast_exit import run_then_exit_fast
 
 TURN_DISCOUNT = 0.5
 AGENT_WORKERS = 64  # concurrent sessions: enough for every group of the episodes in flight
@@ -71,4 +72,4 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    grpo_main(sys.argv[1:], workflow_cls=make_workflow)
+    run_then_exit_fast(grpo_main, sys.argv[1:], make_workflow)

@@ -16,6 +16,7 @@ import logging
 import sys
 
 from arealite.api.cli_args import GRPOConfig, load_expr_config
+from arealite.lifecycle.fast_exit import run_then_exit_fast
 from arealite.recipes.grpo import GRPOTrainer, record_rollouts
 from arealite.recipes.grpo_run import GRPORun
 
@@ -51,4 +52,4 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    main(sys.argv[1:])
+    run_then_exit_fast(main, sys.argv[1:])  # a finished run skips ~1 s of interpreter teardown

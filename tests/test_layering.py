@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": BASE,
     "trainer": BASE | {"lifecycle", "checkpoint"},
     "openai_wire": BASE,  # the OpenAI chat-completions format, for server and agent
-    "server": BASE | {"openai_wire"},
+    "server": BASE | {"openai_wire", "lifecycle"},
     "dataset": BASE,  # the user's data as canonical rows, and the row building blocks
     "tasks": BASE | {"dataset"},  # built-in tasks: loader + reward + options, one registry
     "reward": BASE | {"tasks"},  # spec -> callable (built-ins by short name), worker pool

@@ -14,6 +14,8 @@ import signal
 import socket
 import sys
 
+from arealite.lifecycle.fast_exit import run_then_exit_fast
+
 READY_MARKER = "arealite server ready"
 API_KEY_ENV = "AREAL_SERVER_API_KEY"  # how launchers hand the key to servers and trainers
 
@@ -171,4 +173,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit_fast(main)  # a stopped server skips ~1 s of interpreter teardown
