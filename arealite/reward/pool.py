@@ -8,23 +8,25 @@ Why the odd lifecycle: a call that times out leaves its worker stuck, and a Proc
 cannot kill one task. So a timeout retires the whole pool: new calls go to a fresh pool, and the
 retired one is killed as soon as its other (innocent) calls have finished.
 
-The reward function must be picklable (a module-level function): workers import its module.
-Scripts that use a RewardPool need an `if __name__ == "__main__":` guard (forkserver/spawn
-re-import the main module).
+The reward function must be picklable (a module-level function): workers import its module,
+and the parent's `__main__` script only when the reward is defined there (such a script needs
+an `if __name__ == "__main__":` guard: forkserver / spawn children re-import it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import multiprocessing
 import pickle
+import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -77,16 +79,38 @@ def _call_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
     return out
 
 
+@contextlib.contextmanager
+def _main_script_hidden(fn: Callable) -> Iterator[None]:
+    """While workers start: a forkserver / spawn child imports the parent's `__main__` script
+    (as `__mp_main__`) unless `__main__` has neither `__file__` nor `__spec__`. A trainer script
+    imports torch, transformers and FSDP (~3 s a worker on a 2-core CPU, the first reward calls
+    waiting for it); a reward that does not live in `__main__` needs none of it. A reward that
+    does (its pickle names `__main__`) keeps the default."""
+    main = sys.modules["__main__"]
+    if b"__main__" in pickle.dumps(fn):
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
 class _Generation:
     """One ProcessPoolExecutor and the calls still running on it."""
 
     def __init__(self, fn: Callable, max_workers: int, ctx: Any):
-        self.pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=max_workers, mp_context=ctx, initializer=_preload, initargs=(fn,)
-        )
-        # One task per worker spawns them all now (workers start on demand), so module
-        # import time is not charged to the first reward calls' timeout.
-        self.warmup = [self.pool.submit(_warmup) for _ in range(max_workers)]
+        with _main_script_hidden(fn):
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=max_workers, mp_context=ctx, initializer=_preload, initargs=(fn,)
+            )
+            # One task per worker spawns them all now (workers start on demand, and only while
+            # none is idle), so module import time is not charged to the first reward calls'
+            # timeout, and no worker starts outside this block.
+            self.warmup = [self.pool.submit(_warmup) for _ in range(max_workers)]
         # The executor joins its workers at interpreter exit, which would hang on a stuck one;
         # threading's exit hooks run in reverse order, so this kill runs before that join.
         try:
