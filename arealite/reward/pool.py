@@ -22,7 +22,6 @@ import logging
 import math
 import multiprocessing
 import pickle
-import sys
 import threading
 import traceback
 import weakref
@@ -86,7 +85,8 @@ def _main_script_hidden(fn: Callable) -> Iterator[None]:
     imports torch, transformers and FSDP (~3 s a worker on a 2-core CPU, the first reward calls
     waiting for it); a reward that does not live in `__main__` needs none of it. A reward that
     does (its pickle names `__main__`) keeps the default."""
-    main = sys.modules["__main__"]
+    import __main__ as main
+
     if b"__main__" in pickle.dumps(fn):
         yield
         return
