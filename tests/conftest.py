@@ -27,6 +27,15 @@ def tiny_model_dir_v2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model taught one add-tool round trip (tests/_agent_models.py; ~15 s to teach),
+    shared read-only by the OpenAI-API and agent client tests."""
+    from _agent_models import build_tool_model
+
+    return build_tool_model(tiny_model_dir, str(tmp_path_factory.mktemp("tool") / "model"))
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_dir(tmp_path_factory) -> str:
     """A random ~0.7M-parameter Qwen2-VL + processor files (see arealite/utils/tiny_vlm.py)."""
     from arealite.testing.tiny_vlm import build_tiny_vlm

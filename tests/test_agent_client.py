@@ -81,13 +81,6 @@ def test_reward_propagates_back_along_a_branching_tree():
 
 # ---- against a real server -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
-    from _agent_models import build_tool_model
-
-    return build_tool_model(tiny_model_dir, str(tmp_path_factory.mktemp("agent") / "model"))
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tool_model_dir):
     return AutoTokenizer.from_pretrained(tool_model_dir)
 

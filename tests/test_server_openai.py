@@ -76,13 +76,6 @@ def test_bad_requests_name_the_field(body, param):
 
 # ---- a real server ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
-    from _agent_models import build_tool_model
-
-    return build_tool_model(tiny_model_dir, str(tmp_path_factory.mktemp("openai") / "model"))
-
-
-@pytest.fixture(scope="module")
 def server(tool_model_dir):
     env = {"OMP_NUM_THREADS": "1"}
     with launch_server(tool_model_dir, api_key=API_KEY, env=env, dtype="float32") as s:
