@@ -160,6 +160,7 @@ class AgentProxy:
         self._lock = threading.Lock()
         self._task_ready: asyncio.Event | None = None
         self._loop = LoopThread("agent-proxy")
+        self._reaper: asyncio.Task | None = None  # drops sessions past their deadline
 
     def workflow_for(
         self,
@@ -241,7 +242,7 @@ class AgentProxy:
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
-        self._reaper = asyncio.ensure_future(self._reap_expired())  # a reference keeps it alive
+        self._reaper = asyncio.ensure_future(self._reap_expired())
 
     def _build_app(self) -> web.Application:
         from arealite.agent.proxy_routes import add_routes

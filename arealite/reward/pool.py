@@ -78,6 +78,9 @@ def _call_many(fn: Callable, calls: list[tuple[tuple, dict]]) -> list[Any]:
     return out
 
 
+_MAIN_HIDDEN = threading.Lock()  # pools start from their own threads, two at once in GRPO
+
+
 @contextlib.contextmanager
 def _main_script_hidden(fn: Callable) -> Iterator[None]:
     """While workers start: a forkserver / spawn child imports the parent's `__main__` script
@@ -90,13 +93,14 @@ def _main_script_hidden(fn: Callable) -> Iterator[None]:
     if b"__main__" in pickle.dumps(fn):
         yield
         return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
+    with _MAIN_HIDDEN:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__dict__.update(saved)
 
 
 class _Generation:
