@@ -69,8 +69,6 @@ LAYOUTS = {  # name -> overrides of the shipped config
 
 # Measured cases: tiny_model sizes, tokens per micro-batch (sequences of 128), checkpointing.
 SEQ = 128
-
-
 ACTIVATIONS_MODEL = model_sizes(512, 4, 8, 2048, model_vocab=1024)
 CASES = {
     "states": (model_sizes(512, 6, 8, 2048, model_vocab=8192), 256, False),

@@ -134,7 +134,7 @@ def arm_table(results: list[dict]) -> list[dict]:
             m, s = mean_std(vals)
             row[key], row[f"{key}_std"] = round(m, 4), round(s, 4)
         for key in ("steps_per_s", "behave_kl_k1", "imp_weight", "capped_frac", "clip_ratio"):
-            vals = [r[key] for r in rs if r[key] is not None]
+            vals = [r[key] for r in rs if r.get(key) is not None]  # older files: masked_frac
             row[key] = round(statistics.mean(vals), 5) if vals else None
         rows.append(row)
         emit("arm", **row)

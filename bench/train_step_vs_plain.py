@@ -50,10 +50,8 @@ CASES = {
 def build_model(case: dict, out_dir: str) -> str:
     from arealite.testing.tiny_model import build_tiny_model, model_sizes
 
-    c = case
-    return build_tiny_model(
-        out_dir, **model_sizes(c["hidden"], c["layers"], c["heads"], c["inter"], c["kv"])
-    )
+    sizes = model_sizes(case["hidden"], case["layers"], case["heads"], case["inter"], case["kv"])
+    return build_tiny_model(out_dir, **sizes)
 
 
 def make_batch(case: dict, vocab: int, seed: int = 0):
