@@ -10,9 +10,11 @@
 #                                             # gsm8k_grpo.yaml at Qwen2.5-0.5B / 1.5B shapes
 #   bash bench/gpu_run.sh OUT_DIR long        # the long regime (long_sums) at the same shapes:
 #                                             # SFT warm start, then bench/long_regime.py part a
-#                                             # (eta 0 vs eta 4) and part b (vs TRL), ~8 minutes
+#                                             # (eta 0 vs eta 4) and part b (vs TRL), ~8 minutes,
+#                                             # after the decoding step profiled alone
 #
-# Knobs (environment): LONG_SFT_STEPS LONG_SFT_LR LONG_BUDGET LONG_ARMS LONG_TRL_MIN (long mode);
+# Knobs (environment): LONG_SFT_STEPS LONG_SFT_LR LONG_BUDGET LONG_ARMS LONG_TRL_MIN LONG_EVAL_SECS
+# DECODE_MAX_NEW, and for a CPU rehearsal GPU_ARGS SFT_DEVICE_ARGS VS_DEVICE_FLAG (long mode);
 # SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
 # T_SFT T_VS T_GRPO (seconds); GPU_TESTS (pytest args), VS_ARGS (extra vs_trl.py args, e.g.
 # "--systems arealite --runs-from trl.jsonl"), WEIGHT_UPDATE (tensor | disk); PY (python).
@@ -55,6 +57,15 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log to OUT/NAME.log, r
   rc=$?
   echo "== $name: rc=$rc in $((SECONDS - t0))s"
   tail -n 6 "$OUT/$name.log"
+  strays  # a stage killed at its limit must not keep the GPU busy under the next one
+}
+
+strays() {  # report and kill what a stage left running (on the GPU or as arealite processes)
+  local apps
+  apps=$(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null)
+  [ -n "$apps" ] && echo "== still on the GPU after the stage: $apps"
+  pkill -9 -f 'arealite[.](server|launcher)|torchrun|examples/(grpo|sft)[.]py|vs_trl[.]py' 2>/dev/null
+  sleep 1
 }
 
 nvidia-smi -L
@@ -65,22 +76,36 @@ $PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1 
 'capability', torch.cuda.get_device_capability(0))"
 MODEL=$W/qwen05b_shapes
 if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares the GPU
-  GPU_ARGS="cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=tensor"
+  GPU_ARGS=${GPU_ARGS-cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=tensor}
+  SFT_DEVICE_ARGS=${SFT_DEVICE_ARGS-cluster.n_gpus_per_node=1} VS_DEVICE_FLAG=${VS_DEVICE_FLAG---gpu}
   SFT_STEPS=${LONG_SFT_STEPS:-240}  # ~0.4 s/step on an H200
   stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
-  stage long_sft "${T_LONG_SFT:-150}" $PY -m arealite.launcher.local examples/sft.py \
+  # The decoding step alone, before anything is trained: GRPO groups (8 rows a prompt) against
+  # distinct prompts, for a 4-layer tiny model and the 0.5B shapes, with the profiler's tables.
+  stage tiny_model 60 $PY -m arealite.testing.tiny_model "$W/tiny"
+  for m in tiny qwen05b_shapes; do
+    for s in 8 1; do
+      stage "decode_${m}_s$s" "${T_DECODE:-45}" $PY bench/server_decode_profile.py "$W/$m" \
+        --samples $s --max-new ${DECODE_MAX_NEW:-128} --profile-steps 10 \
+        --table-out "$OUT/decode_${m}_s$s.txt"
+    done
+  done
+  stage long_sft "${T_LONG_SFT:-140}" $PY -m arealite.launcher.local examples/sft.py \
     --config examples/configs/long_sums_sft.yaml cluster.fileroot="$W" model.path="$MODEL" \
-    cluster.n_gpus_per_node=1 total_train_steps=$SFT_STEPS \
+    $SFT_DEVICE_ARGS total_train_steps=$SFT_STEPS \
     train_dataset.options.size=$((SFT_STEPS * 32)) model.optimizer.lr=${LONG_SFT_LR:-3e-4}
   SFT=$(ls -d "$W"/long-sums-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
   need_sft long_sft
-  stage long_a "${T_LONG_A:-230}" $PY bench/long_regime.py --parts a --seeds 1 \
-    --arms ${LONG_ARMS:-eta0_decoupled_mb1,eta4_decoupled_mb1} --budget ${LONG_BUDGET:-50} \
-    --eval-secs 25 --target-gain 0.10 --model-path "$SFT" --workdir "$W/long_a" \
-    --arealite-args "$GPU_ARGS"
-  stage long_b "${T_LONG_B:-190}" $PY bench/vs_trl.py --task long_sums --gpu --model-path "$SFT" \
-    --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 1e-5 --workdir "$W/long_b"
+  stage long_a "${T_LONG_A:-200}" $PY bench/long_regime.py --parts a --seeds 1 \
+    --arms ${LONG_ARMS:-eta0_decoupled_mb1,eta4_decoupled_mb1} --budget ${LONG_BUDGET:-60} \
+    --eval-secs ${LONG_EVAL_SECS:-20} --target-gain 0.10 --model-path "$SFT" \
+    --workdir "$W/long_a" --arealite-args "$GPU_ARGS"
+  # TRL alone for LONG_TRL_MIN minutes: long_a's eta 4 run is arealite's arm of the comparison.
+  stage long_b "${T_LONG_B:-130}" $PY bench/vs_trl.py --task long_sums $VS_DEVICE_FLAG \
+    --model-path "$SFT" --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 1e-5 \
+    --systems trl --workdir "$W/long_b"
   echo "== figures"
+  grep -h '^{' "$OUT"/decode_*.log | grep '"figure": "decode'
   grep -h '^{' "$OUT/long_a.log" "$OUT/long_b.log" | grep -v '"figure": "machine"'
   tail -n 3 "$W"/long-sums-sft/demo/metrics.jsonl 2>/dev/null
   tar czf "$OUT/long_runs.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.bin' \
