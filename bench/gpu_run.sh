@@ -14,7 +14,7 @@
 #                                             # after the decoding step profiled alone
 #
 # Knobs (environment): LONG_SFT_STEPS LONG_SFT_LR LONG_BUDGET LONG_ARMS LONG_TRL_MIN LONG_EVAL_SECS
-# DECODE_MAX_NEW, and for a CPU rehearsal GPU_ARGS SFT_DEVICE_ARGS VS_DEVICE_FLAG (long mode);
+# DECODE_RUNS DECODE_MAX_NEW, and for a CPU rehearsal GPU_ARGS SFT_DEVICE_ARGS VS_DEVICE_FLAG (long mode);
 # SFT_STEPS GRPO_STEPS VS_MIN VS_STEPS; the stage limits T_TESTS T_MODEL
 # T_SFT T_VS T_GRPO (seconds); GPU_TESTS (pytest args), VS_ARGS (extra vs_trl.py args, e.g.
 # "--systems arealite --runs-from trl.jsonl"), WEIGHT_UPDATE (tensor | disk); PY (python).
@@ -70,7 +70,7 @@ strays() {  # report and kill what a stage left running (on the GPU or as areali
 
 nvidia-smi -L
 GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | awk '{print $1 / 1024}')
-$PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1  # next to the measured
+[ "$MODE" = long ] || $PY bench/memory_plan.py --dry --gpu-gb "$GPU_GIB" >"$OUT/memory_plan.log" 2>&1
 [ -n "${VS_FLAGS-x}" ] && $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0),
 'capability', torch.cuda.get_device_capability(0))"
@@ -83,12 +83,10 @@ if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares th
   # The decoding step alone, before anything is trained: GRPO groups (8 rows a prompt) against
   # distinct prompts, for a 4-layer tiny model and the 0.5B shapes, with the profiler's tables.
   stage tiny_model 60 $PY -m arealite.testing.tiny_model "$W/tiny"
-  for m in tiny qwen05b_shapes; do
-    for s in 8 1; do
-      stage "decode_${m}_s$s" "${T_DECODE:-45}" $PY bench/server_decode_profile.py "$W/$m" \
-        --samples $s --max-new ${DECODE_MAX_NEW:-128} --profile-steps 10 \
-        --table-out "$OUT/decode_${m}_s$s.txt"
-    done
+  for run in ${DECODE_RUNS:-tiny:8 qwen05b_shapes:8}; do  # MODEL:ROWS_A_PROMPT
+    m=${run%%:*} s=${run##*:}
+    stage "decode_${m}_s$s" "${T_DECODE:-45}" $PY bench/server_decode_profile.py "$W/$m" \
+      --samples "$s" --max-new ${DECODE_MAX_NEW:-128} --profile-steps 10
   done
   stage long_sft "${T_LONG_SFT:-140}" $PY -m arealite.launcher.local examples/sft.py \
     --config examples/configs/long_sums_sft.yaml cluster.fileroot="$W" model.path="$MODEL" \

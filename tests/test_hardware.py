@@ -91,3 +91,15 @@ def test_fsdp_engine_resolves_auto_to_what_the_cpu_computes(
     assert engine.config.fsdp.param_dtype == expected
     layer = next(m for m in engine.model.modules() if hasattr(m, "_get_fsdp_state"))
     assert layer._get_fsdp_state()._mp_policy.param_dtype == getattr(torch, expected)
+
+
+def test_sdpa_without_cudnn_turns_the_cudnn_kernel_off_only_inside():
+    """The server's and the trainer's attention never pick cuDNN SDPA (a graph build per new
+    shape); the flags are process-wide, so the context must restore them."""
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with hardware.sdpa_without_cudnn():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from arealite.utils.hardware import sdpa_without_cudnn
+
 NAME = "sdpa_varlen"
 
 # Cost model of one sdpa call over n sequences padded to M (units: attention pairs).
@@ -156,9 +158,7 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _kernel_for(device: torch.device, longest: int):
     if device.type == "cpu" and longest <= CPU_MATH_MAX_LEN:
         return sdpa_kernel(SDPBackend.MATH)
-    return sdpa_kernel(
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    )
+    return sdpa_without_cudnn()
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -9,6 +9,7 @@ Positions come from each row's own token count, so padding never shifts RoPE.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import inspect
 import logging
@@ -28,7 +29,7 @@ from arealite.server.kv_batch import (
 )
 from arealite.server.protocol import GenerateRequest
 from arealite.server.sampling import SamplingTensors, sample_next_tokens, top_logprobs
-from arealite.utils.hardware import resolve_dtype
+from arealite.utils.hardware import resolve_dtype, sdpa_without_cudnn
 
 logger = logging.getLogger("arealite.server")
 
@@ -151,16 +152,22 @@ class ModelRunner:
     def _forward(
         self, batch: RunningBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra
     ):
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids,
-            **{self._cache_arg: batch.cache},
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-        )
+        with self._attention_kernels():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=position_ids,
+                **{self._cache_arg: batch.cache},
+                use_cache=True,
+                logits_to_keep=1,
+                **extra,
+            )
         return out.logits[:, -1, :]
+
+    def _attention_kernels(self):
+        """On CUDA, SDPA without cuDNN: its per-shape graph build cost ~50 ms a decoding step on
+        an H200 (docs/results.md, GPU: the long regime), 10x the step itself."""
+        return sdpa_without_cudnn() if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _prefill_inputs(
         self, seqs: list[Sequence], ids: torch.Tensor, mask: torch.Tensor

@@ -109,3 +109,15 @@ def resolve_dtype(name: str, device_type: str, what: str = "compute") -> str:
         _logged.add((what, device_type, chosen))
         logger.info("%s dtype auto -> %s on %s: %s", what, chosen, device_type, why)
     return chosen
+
+
+def sdpa_without_cudnn():
+    """torch SDPA restricted to flash / memory-efficient / math. cuDNN's kernel (torch's first
+    choice on Hopper when a mask is given) builds a graph for every new shape: ~50 ms on an H200,
+    paid at every decoding step (the KV length grows by one) and every packed training batch.
+    A context manager; it sets process-wide flags, so hold it only around one call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
