@@ -56,8 +56,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 # Everything CI runs: lint, unit tests and integration tests (real servers, torchrun ranks).
+# Two pytest-xdist workers, a test file each at a time (module fixtures are not built twice),
+# the longest files first (tests/conftest.py): 1.39x on 2 cores, since the integration tests
+# wait on process starts and servers much of the time. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # Unit tests only (seconds).
 test-fast: setup

@@ -31,12 +31,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
 
 
+def built_once(tmp_path_factory, name: str, build) -> str:
+    """`build(out_dir) -> path` run once per test run, also under pytest-xdist: the first worker
+    builds into the run's shared temp directory (under a file lock) and the others reuse it, as
+    xdist's documentation recommends for session data. The result is read-only for tests."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(str(tmp_path_factory.mktemp(name)))
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this run
+    done = shared / f"{name}.path"  # holds what `build` returned
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            (shared / name).mkdir(exist_ok=True)
+            done.write_text(build(str(shared / name)))
+    return done.read_text()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random ~3M-parameter Qwen2 + tokenizer on disk, loadable with from_pretrained(path)."""
     from arealite.testing.tiny_model import build_tiny_model
 
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+    return built_once(tmp_path_factory, "tiny_model", build_tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -50,10 +67,13 @@ def tiny_model_dir_v2(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tool_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     """The tiny model taught one add-tool round trip (tests/_agent_models.py; ~15 s to teach),
-    shared read-only by the OpenAI-API and agent client tests."""
+    shared read-only by the OpenAI-API and agent client tests (and their xdist workers)."""
     from _agent_models import build_tool_model
 
-    return build_tool_model(tiny_model_dir, str(tmp_path_factory.mktemp("tool") / "model"))
+    def build(out_dir: str) -> str:
+        return build_tool_model(tiny_model_dir, os.path.join(out_dir, "model"))
+
+    return built_once(tmp_path_factory, "tool", build)
 
 
 @pytest.fixture(scope="session")
