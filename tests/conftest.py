@@ -31,6 +31,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
 
 
+def run_temp_root(tmp_path_factory):
+    """The folder that holds every test's files in this run: the session temp dir, or under
+    pytest-xdist the run's dir above the workers' (where `built_once` puts shared models). A
+    server's `--allowed-weight-roots` for test weights."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def weight_roots(tmp_path_factory) -> list[str]:
+    """Server arguments that let it load any weights the tests wrote."""
+    return ["--allowed-weight-roots", str(run_temp_root(tmp_path_factory))]
+
+
 def built_once(tmp_path_factory, name: str, build) -> str:
     """`build(out_dir) -> path` run once per test run, also under pytest-xdist: the first worker
     builds into the run's shared temp directory (under a file lock) and the others reuse it, as
@@ -39,7 +53,7 @@ def built_once(tmp_path_factory, name: str, build) -> str:
 
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         return build(str(tmp_path_factory.mktemp(name)))
-    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this run
+    shared = run_temp_root(tmp_path_factory)
     done = shared / f"{name}.path"  # holds what `build` returned
     with FileLock(str(shared / f"{name}.lock")):
         if not done.exists():

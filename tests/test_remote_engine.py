@@ -165,10 +165,11 @@ def test_addresses_from_environment(server, monkeypatch):
 
 
 def test_interrupted_generation_resumes_across_weight_update(
-    tiny_model_dir, tiny_model_dir_v2, tmp_path_factory
+    tiny_model_dir, tiny_model_dir_v2, weight_roots
 ):
-    roots = ["--allowed-weight-roots", str(tmp_path_factory.getbasetemp())]  # v2 lives there
-    server = launch_server(tiny_model_dir, api_key=API_KEY, extra_args=roots, dtype="float32")
+    server = launch_server(
+        tiny_model_dir, api_key=API_KEY, extra_args=weight_roots, dtype="float32"
+    )
     engine = make_engine([server.address])
     try:
         greedy = gen(8, greedy=True)

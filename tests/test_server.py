@@ -84,9 +84,8 @@ def forward_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    roots = str(tmp_path_factory.getbasetemp())
-    extra = ["--allowed-weight-roots", roots, "--log-interval", "2"]
+def server(tiny_model_dir, weight_roots):
+    extra = [*weight_roots, "--log-interval", "2"]
     with launch_server(tiny_model_dir, dtype="float32", api_key=API_KEY, extra_args=extra) as s:
         yield s
         assert s.alive(), s.log_tail()

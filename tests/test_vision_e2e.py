@@ -26,9 +26,10 @@ SAMPLES = 3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vlm_dir, tmp_path_factory):
-    roots = ["--allowed-weight-roots", str(tmp_path_factory.getbasetemp())]  # tests' weights
-    s = launch_server(tiny_vlm_dir, dtype="float32", extra_args=["--num-threads", "1", *roots])
+def server(tiny_vlm_dir, weight_roots):
+    s = launch_server(
+        tiny_vlm_dir, dtype="float32", extra_args=["--num-threads", "1", *weight_roots]
+    )
     yield s
     s.stop()
 
