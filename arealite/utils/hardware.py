@@ -113,8 +113,8 @@ def resolve_dtype(name: str, device_type: str, what: str = "compute") -> str:
 
 def sdpa_without_cudnn():
     """torch SDPA restricted to flash / memory-efficient / math. cuDNN's kernel (torch's first
-    choice on Hopper when a mask is given) builds a graph for every new shape: ~50 ms on an H200,
-    paid at every decoding step (the KV length grows by one) and every packed training batch.
+    choice on Hopper) builds a graph for every new shape: ~50 ms on an H200, paid at every
+    decoding step (the KV length grows by one) and at every new length a packed batch brings.
     A context manager; it sets process-wide flags, so hold it only around one call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
