@@ -47,12 +47,10 @@ def weight_roots(tmp_path_factory) -> list[str]:
 
 def built_once(tmp_path_factory, name: str, build) -> str:
     """`build(out_dir) -> path` run once per test run, also under pytest-xdist: the first worker
-    builds into the run's shared temp directory (under a file lock) and the others reuse it, as
-    xdist's documentation recommends for session data. The result is read-only for tests."""
+    builds into the run's temp root (under a file lock) and the others reuse it, as xdist's
+    documentation recommends for session data. The result is read-only for tests."""
     from filelock import FileLock
 
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return build(str(tmp_path_factory.mktemp(name)))
     shared = run_temp_root(tmp_path_factory)
     done = shared / f"{name}.path"  # holds what `build` returned
     with FileLock(str(shared / f"{name}.lock")):
