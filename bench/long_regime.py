@@ -11,7 +11,9 @@ unseen problems) every `--eval-secs`. An arm is `eta{E}_{loss}_mb{M}`:
   the behaviour policy: recompute_logprob=false), `unclipped` (naive without a trust region:
   eps_clip 1e6, plain importance-weighted policy gradient);
 - M = actor.ppo_n_minibatches: with one the proximal policy is the current one and the
-  decoupled clip never acts; with four, minibatches 2-4 are clipped against it.
+  decoupled clip never acts; with four, minibatches 2-4 are clipped against it;
+- an optional `_inplace` suffix: rollout.pause_mode=in_place (a weight update keeps in-flight
+  requests and their KV caches instead of aborting them and prefilling them again).
 
 Parts (`--parts a,b,c`):
   a. async (eta 1, 2, 4, 8) vs synchronous (eta 0), all decoupled with one minibatch: steps/s
@@ -43,6 +45,7 @@ import glob
 import json
 import os
 import statistics
+from typing import NamedTuple
 
 import bench_io
 from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
@@ -82,16 +85,28 @@ REGIME_KEYS = (
 )
 
 
-def parse_arm(arm: str) -> tuple[int, str, int]:
-    """(eta, loss, minibatches) of 'eta{E}_{loss}_mb{M}'."""
-    eta, loss, mb = arm.split("_")
-    if not (eta.startswith("eta") and mb.startswith("mb") and loss in LOSSES):
-        raise ValueError(f"arm {arm!r} is not eta<E>_<{'|'.join(LOSSES)}>_mb<M>")
-    return int(eta[3:]), loss, int(mb[2:])
+class Arm(NamedTuple):
+    eta: int
+    loss: str
+    minibatches: int
+    pause_mode: str  # rollout.pause_mode
+
+
+def parse_arm(arm: str) -> Arm:
+    """The settings of 'eta{E}_{loss}_mb{M}' or 'eta{E}_{loss}_mb{M}_inplace'."""
+    eta, loss, mb, *rest = arm.split("_")
+    if not (
+        eta.startswith("eta")
+        and mb.startswith("mb")
+        and loss in LOSSES
+        and rest in ([], ["inplace"])
+    ):
+        raise ValueError(f"arm {arm!r} is not eta<E>_<{'|'.join(LOSSES)}>_mb<M>[_inplace]")
+    return Arm(int(eta[3:]), loss, int(mb[2:]), "in_place" if rest else "abort")
 
 
 def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
-    eta, loss, mb = parse_arm(arm)
+    eta, loss, mb, pause_mode = parse_arm(arm)
     return [
         f"cluster.fileroot={args.workdir}",
         "experiment_name=long-regime",
@@ -105,6 +120,7 @@ def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
         f"evaluator.freq_secs={args.eval_secs}",
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.ppo_n_minibatches={mb}",
+        f"rollout.pause_mode={pause_mode}",
         *LOSSES[loss],
         *args.arealite_args.split(),
     ]
@@ -118,13 +134,14 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     """One run's figures. Off-policy figures: decoupled - KL(behaviour || current) k1 and the
     behaviour weight (proximal / behaviour, over tokens under the cap); naive and unclipped -
     old = behaviour, so KL k1 = -approx_kl and the weight is current / behaviour."""
-    eta, loss, mb = parse_arm(arm)
+    eta, loss, mb, pause_mode = parse_arm(arm)
     decoupled = loss == "decoupled"
     evals = bench_io.eval_curve(recs)
     target = args.target if args.target_gain is None else round(evals[0][2] + args.target_gain, 4)
     hit = next(((t, s) for t, s, a in evals if a is not None and a >= target), (None, None))
     later = recs[1:] or recs
-    run = dict(arm=arm, eta=eta, loss=loss, minibatches=mb, seed=seed, budget_s=args.budget)
+    run = dict(arm=arm, eta=eta, loss=loss, minibatches=mb, pause_mode=pause_mode, seed=seed)
+    run["budget_s"] = args.budget
     return {
         **run,
         **bench_io.run_figures(recs, decoupled),
@@ -174,6 +191,7 @@ def async_vs_sync(results: list[dict]) -> None:
         emit(
             "async_vs_sync",
             eta=r["eta"],
+            pause_mode=r.get("pause_mode", "abort"),
             seed=r["seed"],
             target=r["target"],
             sync_time_to_target_s=t_sync,

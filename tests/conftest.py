@@ -8,6 +8,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    # pytest-xdist workers share the cores: each worker's own compute (and the processes its
+    # tests start without thread settings of their own) gets its share, and idle OpenMP pools
+    # sleep instead of spinning on the cores the other worker needs (as the launcher's
+    # cpu_threads: shared). Set before anything imports torch.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The longest modules, longest first (seconds in `make test`, 2026-11-27, 2-core EPYC): recover

@@ -15,16 +15,20 @@ import long_regime  # noqa: E402
 
 
 def test_every_arm_parses_and_names_its_overrides():
-    for arm in long_regime.PART_A + long_regime.PART_C:
-        eta, loss, mb = long_regime.parse_arm(arm)
+    for arm in long_regime.PART_A + long_regime.PART_C + ["eta4_decoupled_mb1_inplace"]:
+        eta, loss, mb, pause_mode = long_regime.parse_arm(arm)
         args = SimpleNamespace(workdir="/w", eval_secs=30, arealite_args="gconfig.temperature=0.7")
         over = long_regime.arm_overrides(arm, 1, "/m", args)
         assert f"rollout.max_head_offpolicyness={eta}" in over
         assert f"actor.ppo_n_minibatches={mb}" in over
         assert set(long_regime.LOSSES[loss]) <= set(over)
+        assert f"rollout.pause_mode={pause_mode}" in over
+        assert pause_mode == ("in_place" if arm.endswith("_inplace") else "abort")
         assert over[-1] == "gconfig.temperature=0.7"  # the user's overrides win: they come last
     with pytest.raises(ValueError, match="eta<E>"):
         long_regime.parse_arm("eta4_clipped_mb1")
+    with pytest.raises(ValueError, match="inplace"):
+        long_regime.parse_arm("eta4_decoupled_mb1_keep")
 
 
 def test_a_run_summary_reads_the_regime_and_the_target():

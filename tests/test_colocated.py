@@ -116,6 +116,39 @@ def test_a_paused_group_resumes_with_its_whole_budget(engine):
     assert all(len(o.output_logprobs) == 24 and o.stop_reason == "length" for o in result)
 
 
+def test_an_in_place_load_keeps_the_running_group_and_tags_each_token(
+    engine, tiny_model_dir, tiny_model_dir_v2
+):
+    """pause_mode in_place: weights loaded while a group decodes; nothing is aborted, every row
+    gets its whole budget, its tokens tagged 0 then 5 (the load's version)."""
+    gen = ColocatedGenerator.shared(tiny_model_dir, "float32", torch.device("cpu"), 0, 64)
+    in_place = ColocatedEngine(RolloutConfig(pause_mode="in_place"), gen)
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v2, dtype=torch.float32)
+    budget = 400
+    reqs = requests_for(PROMPTS, max_new_tokens=budget, greedy=False)
+    for r in reqs:
+        r.gconfig = r.gconfig.new(ignore_eos=True)
+    metrics = gen.scheduler.metrics
+    tokens_before = metrics.snapshot()["generation_tokens"]
+    result: list = []
+    t = threading.Thread(target=lambda: result.extend(asyncio.run(in_place.agenerate_group(reqs))))
+    t.start()
+    deadline = time.monotonic() + 60
+    while metrics.snapshot()["generation_tokens"] - tokens_before < 8 * len(reqs):
+        assert time.monotonic() < deadline, "the group never started"
+        time.sleep(0.01)
+    try:
+        in_place.load_weights([state.state_dict()], 5)
+        t.join(120)
+    finally:
+        in_place.destroy()
+    assert [o.output_len for o in result] == [budget] * len(reqs)
+    for o in result:
+        assert o.output_versions[0] == 0 and o.output_versions[-1] == 5
+        assert o.output_versions == sorted(o.output_versions)
+    assert metrics.requests["abort"] == 0
+
+
 def test_a_bad_request_names_its_rid_and_the_engine_goes_on(engine):
     bad = requests_for([[5, 10**6]])[0]
     with pytest.raises(ValueError, match=bad.rid):

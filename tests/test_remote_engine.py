@@ -164,13 +164,17 @@ def test_addresses_from_environment(server, monkeypatch):
         RemoteSGLangEngine(RolloutConfig()).initialize()
 
 
-def test_interrupted_generation_resumes_across_weight_update(
-    tiny_model_dir, tiny_model_dir_v2, weight_roots
+@pytest.mark.parametrize("pause_mode", ["abort", "in_place"])
+def test_generation_goes_on_across_a_weight_update(
+    pause_mode, tiny_model_dir, tiny_model_dir_v2, weight_roots
 ):
+    """abort: in-flight requests come back aborted and are resumed as prompt + tokens so far;
+    in_place: they stay on the server, KV caches kept. Either way every request gets its whole
+    budget and each token the version that produced it."""
     server = launch_server(
         tiny_model_dir, api_key=API_KEY, extra_args=weight_roots, dtype="float32"
     )
-    engine = make_engine([server.address])
+    engine = make_engine([server.address], pause_mode=pause_mode)
     try:
         greedy = gen(8, greedy=True)
         before = asyncio.run(engine.agenerate(ModelRequest(input_ids=PROMPT, gconfig=greedy)))
@@ -197,8 +201,14 @@ def test_interrupted_generation_resumes_across_weight_update(
 
         resps = asyncio.run(scenario())
         m = metrics(server)
-        assert m['arealite_requests_total{finish_reason="abort"}'] >= 1
-        assert engine.stats()["aborted_chunks"] >= 1
+        aborted = m['arealite_requests_total{finish_reason="abort"}']
+        prompt_tokens = m["arealite_prompt_tokens_total"] - before.input_len
+        if pause_mode == "abort":
+            assert aborted >= 1 and engine.stats()["aborted_chunks"] >= 1
+            assert prompt_tokens > n * (len(PROMPT) + 1)  # resubmissions prefilled again
+        else:
+            assert aborted == 0 and engine.stats()["aborted_chunks"] == 0
+            assert prompt_tokens == n * (len(PROMPT) + 1)  # each prompt prefilled once
         assert engine.weight_version == 1
         for r in resps:
             assert r.output_len == budget  # the budget spans the resubmission exactly

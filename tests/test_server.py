@@ -16,7 +16,9 @@ import pytest
 import requests
 import torch
 
+from arealite.server.model_runner import Sequence
 from arealite.server.process import launch_server
+from arealite.server.protocol import GenerateRequest, SamplingParams
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -688,3 +690,17 @@ def test_a_request_aborted_before_it_starts_reports_the_served_weight_version(
     meta = asyncio.run(scenario())["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0
     assert meta["weight_version"] == version
+
+
+def test_version_spans_mark_where_the_weights_changed_under_a_row():
+    req = GenerateRequest(rid="r", input_ids=[1], params=SamplingParams())
+    seq = Sequence(req=req, stop_ids=frozenset(), weight_version=3, output_ids=[1, 2])
+    assert seq.version_spans() is None  # one version produced everything
+    seq.new_weights(4)
+    seq.new_weights(5)  # two updates while frozen: nothing came from version 4
+    seq.output_ids += [3, 4, 5]
+    assert seq.weight_version == 5
+    assert seq.version_spans() == [
+        {"version": 3, "start": 0, "end": 2},
+        {"version": 5, "start": 2, "end": 5},
+    ]

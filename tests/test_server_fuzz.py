@@ -154,7 +154,7 @@ def bad_other(rng: random.Random) -> tuple[str, str, bytes | str | dict | list]:
     if kind == 1:
         return "POST", "/abort_request", {"rid": wrong(rng, str), "abort_all": False}
     if kind == 2:
-        return "POST", "/pause_generation", {"mode": rng.choice(["in_place", "retract", 1, []])}
+        return "POST", "/pause_generation", {"mode": rng.choice(["keep", "retract", 1, []])}
     if kind == 3:
         body = rng.choice([[], "x", {"master_address": wrong(rng, str), "master_port": 1234}])
         return "POST", "/init_weights_update_group", body

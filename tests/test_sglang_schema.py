@@ -77,8 +77,8 @@ def test_the_server_answers_400_naming_the_missing_body_and_keeps_serving(server
         r = requests.post(f"{server.url}/{route}", timeout=30)
         assert r.status_code == 400, (route, r.text)
         assert f"/{route} takes a JSON object" in r.json()["error"]
-    r = requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
-    assert r.status_code == 400 and "only 'abort' is supported" in r.json()["error"]
+    r = requests.post(f"{server.url}/pause_generation", json={"mode": "retract"}, timeout=30)
+    assert r.status_code == 400 and "'retract' is not supported" in r.json()["error"]
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
 
 

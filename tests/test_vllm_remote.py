@@ -24,7 +24,8 @@ from _rollout import remote_engine
 from arealite.api.cli_args import ServerConfig
 from arealite.api.io_struct import GenerationHyperparameters, ModelRequest, WeightUpdateMeta
 from arealite.inference.remote_base import ServerError
-from arealite.inference.vllm_remote import RemoteVLLMEngine, token_versions
+from arealite.inference.server_http import token_versions
+from arealite.inference.vllm_remote import RemoteVLLMEngine
 from arealite.launcher.servers import server_command
 from arealite.utils.network import find_free_port
 

@@ -118,6 +118,14 @@ class RolloutConfig(ConfigBase):
     setup_timeout: float = field(default=120.0, metadata=_help("Seconds to wait for servers."))
     api_key: Optional[str] = field(default=None, metadata=_help("Bearer token for the servers."))
     pause_grace_period: float = 0.0
+    pause_mode: Literal["abort", "in_place"] = field(
+        default="abort",
+        metadata=_help(
+            "What a weight update does to in-flight generation: abort (resumed as prompt + "
+            "tokens so far, a prefill each) or in_place (kept with their KV caches; the next "
+            "tokens come from the new weights). docs/design.md, Weight updates."
+        ),
+    )
     reward_timeout: float = field(default=15.0, metadata=_help("Seconds per reward call."))
     record: Optional[str] = field(
         default=None,

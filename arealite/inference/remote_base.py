@@ -260,8 +260,9 @@ class RemoteInferenceEngine(InferenceEngine):
         return self._loop.run(self.weights.nccl_world_size()).result()
 
     def pause_generation(self) -> None:
-        """Abort in-flight generation on every server and hold resubmissions until
-        `continue_generation` (for callers that swap weights themselves)."""
+        """Stop generation on every server (in-flight requests aborted, or frozen with
+        `pause_mode: in_place`) and hold new ones until `continue_generation` (for callers
+        that swap weights themselves)."""
         self._loop.run(self._pause_generation()).result()
 
     async def _pause_generation(self) -> None:

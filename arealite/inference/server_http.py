@@ -46,6 +46,21 @@ def parse_version(value: Any) -> int | None:
     return None
 
 
+def token_versions(spans: Any, n_tokens: int) -> list[int | None] | None:
+    """`weight_versions` spans [{"version", "start", "end"}] (vLLM's; the embedded server's
+    after an in-place update) -> one version per output token (None where the label is not an
+    integer, e.g. "default" before any update)."""
+    if spans is None:
+        return None
+    out: list[int | None] = [None] * n_tokens
+    for s in spans:
+        start, end = int(s["start"]), int(s["end"])
+        if not 0 <= start <= end <= n_tokens:
+            raise ValueError(f"weight_versions span {s} outside the {n_tokens} output tokens")
+        out[start:end] = [parse_version(s["version"])] * (end - start)
+    return out
+
+
 class ServerHTTP:
     """JSON over HTTP to `host:port` servers; lives on one event loop (the session's).
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from arealite.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
 from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
-from arealite.inference.server_http import ServerError, parse_version
+from arealite.inference.server_http import ServerError, parse_version, token_versions
 from arealite.lifecycle.run_lock import fencing_token
 
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -78,12 +78,18 @@ class RemoteSGLangEngine(RemoteInferenceEngine):
             raise ValueError(
                 f"/generate answer has {len(tokens)} output_ids but {len(logprobs)} logprobs"
             )
-        return GenerateChunk(tokens, logprobs, kind, parse_version(meta.get("weight_version")))
+        version = parse_version(meta.get("weight_version"))
+        # Spans where the weights changed under the request (the embedded server's in-place
+        # pause); a server without them labels every token with the answer's version.
+        versions = token_versions(meta.get("weight_versions"), len(tokens))
+        return GenerateChunk(tokens, logprobs, kind, version, versions)
 
     # SGLang (after v0.5.5) declares request models for both: a POST without a JSON body is a
-    # 400. mode "abort": in-flight requests come back aborted (and are resubmitted after).
+    # 400. mode "abort": in-flight requests come back aborted (and are resubmitted after);
+    # "in_place" (pause_mode in_place): they stay, KV caches kept, and go on after the update.
     async def pause_server(self, addr: str) -> None:
-        await self.pool.call(addr, "POST", "/pause_generation", {"mode": "abort"})
+        body = {"mode": self.config.pause_mode}
+        await self.pool.call(addr, "POST", "/pause_generation", body)
 
     async def continue_server(self, addr: str) -> None:
         await self.pool.call(addr, "POST", "/continue_generation", {})

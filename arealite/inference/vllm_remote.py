@@ -40,7 +40,7 @@ from typing import Any
 from arealite.api.cli_args import RolloutConfig
 from arealite.api.io_struct import ModelRequest, WeightUpdateMeta
 from arealite.inference.remote_base import GenerateChunk, RemoteInferenceEngine
-from arealite.inference.server_http import ServerError, parse_version
+from arealite.inference.server_http import ServerError, token_versions
 
 GENERATE_PATH = "/inference/v1/generate"
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -68,20 +68,6 @@ def check_weights_dir(path: str | None) -> str:
             "(vLLM reloads HF safetensors checkpoints: save_pretrained(..., safe_serialization=True))"
         )
     return path
-
-
-def token_versions(spans: Any, n_tokens: int) -> list[int | None] | None:
-    """vLLM's `weight_versions` spans [{"version", "start", "end"}] -> one version per output
-    token (None where the label is not an integer, e.g. "default" before any update)."""
-    if spans is None:
-        return None
-    out: list[int | None] = [None] * n_tokens
-    for s in spans:
-        start, end = int(s["start"]), int(s["end"])
-        if not 0 <= start <= end <= n_tokens:
-            raise ValueError(f"weight_versions span {s} outside the {n_tokens} output tokens")
-        out[start:end] = [parse_version(s["version"])] * (end - start)
-    return out
 
 
 class RemoteVLLMEngine(RemoteInferenceEngine):
@@ -146,8 +132,10 @@ class RemoteVLLMEngine(RemoteInferenceEngine):
 
     async def pause_server(self, addr: str) -> None:
         # mode=abort: in-flight requests return at once with what they have (finish "abort");
-        # requests arriving while paused are queued by vLLM until /resume.
-        await self.pool.call(addr, "POST", "/pause?mode=abort")
+        # mode=keep (pause_mode in_place): they stay frozen, KV caches kept, until /resume.
+        # Requests arriving while paused are queued by vLLM until /resume.
+        mode = "keep" if self.config.pause_mode == "in_place" else "abort"
+        await self.pool.call(addr, "POST", f"/pause?mode={mode}")
 
     async def continue_server(self, addr: str) -> None:
         await self.pool.call(addr, "POST", "/resume")

@@ -195,6 +195,8 @@ class InferenceServer:
             "weight_version": seq.weight_version,
             "e2e_latency": time.monotonic() - seq.arrival,
         }
+        if spans := seq.version_spans():  # weights updated under it (in-place pause)
+            meta["weight_versions"] = spans
         if req.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)
@@ -205,15 +207,18 @@ class InferenceServer:
         return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
 
     async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's modes: `abort` (default) ends in-flight requests with what they have;
+        `in_place` freezes them, KV caches kept, until continue_generation (`retract` is not
+        supported: it would need KV-cache offload)."""
         mode = parse_body("pause_generation", await request.read()).get("mode")
         if mode not in (None, "abort", "retract", "in_place"):
             raise BadRequest(f"mode: expected 'abort', 'retract' or 'in_place', got {mode!r}")
-        if mode not in (None, "abort"):
-            raise BadRequest(
-                f"mode: only 'abort' is supported by the embedded server, got {mode!r}"
-            )
-        await asyncio.wrap_future(self.scheduler.pause())
-        return web.json_response({"success": True, "message": "generation paused"})
+        if mode == "retract":
+            raise BadRequest("mode: 'retract' is not supported by the embedded server")
+        await asyncio.wrap_future(self.scheduler.pause(in_place=mode == "in_place"))
+        return web.json_response(
+            {"success": True, "message": f"generation paused ({mode or 'abort'})"}
+        )
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         parse_body("continue_generation", await request.read())

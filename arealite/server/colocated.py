@@ -69,7 +69,8 @@ class ColocatedGenerator:
     def load(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
         """Copy the trainer's full weights in and tag them `version`. The buckets are taken here
         (on the caller's thread: gathering them may be a collective), the copy runs on the
-        scheduler thread once no request is running, so no sequence straddles two versions."""
+        scheduler thread between steps, once no request is running or the running ones are
+        frozen by an in-place pause (their next tokens are then tagged `version`)."""
         named = [item for bucket in buckets for item in bucket.items()]
 
         def job() -> str:
@@ -126,7 +127,8 @@ class ColocatedEngine(InferenceEngine):
 
     async def agenerate_group(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
         """The requests decoded together (a GRPO group is admitted in one step, its shared
-        prompt prefilled once); a pause aborts them and they resume as prompt + tokens so far."""
+        prompt prefilled once); a pause aborts them and they resume as prompt + tokens so far,
+        or (`pause_mode: in_place`) freezes them until the weights are loaded."""
         start = time.perf_counter()
         progress = [PartialResponse(r) for r in reqs]
         while todo := [p for p in progress if not p.done]:
@@ -142,8 +144,7 @@ class ColocatedEngine(InferenceEngine):
                 raise
             for p, seq in zip(todo, seqs):
                 finish = (seq.finish_reason or {}).get("type", "abort")
-                versions = [seq.weight_version] * len(seq.output_ids)
-                p.extend(seq.output_ids, seq.output_logprobs, versions, finish, start)
+                p.extend(seq.output_ids, seq.output_logprobs, seq.token_versions(), finish, start)
         return [p.response(start) for p in progress]
 
     def _sequence(self, p: PartialResponse) -> Sequence:
@@ -178,8 +179,18 @@ class ColocatedEngine(InferenceEngine):
 
     # ---- weights and pausing ------------------------------------------------------------
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        """The trainer's weights, in memory (see ColocatedGenerator.load)."""
-        self.generator.load(buckets, version)
+        """The trainer's weights, in memory (see ColocatedGenerator.load): loaded once the
+        running rows finish (new ones wait), or with `pause_mode: in_place` at once, the
+        running rows frozen meanwhile and going on under the new weights."""
+        if self.config.pause_mode != "in_place":
+            self.generator.load(buckets, version)
+            return
+        scheduler = self.generator.scheduler
+        scheduler.pause(in_place=True).result()
+        try:
+            self.generator.load(buckets, version)
+        finally:
+            scheduler.resume()
 
     def update_weights(self, meta: WeightUpdateMeta) -> Future:
         """An HF checkpoint from disk (`meta.type == "disk"`); the in-memory path is
@@ -199,9 +210,11 @@ class ColocatedEngine(InferenceEngine):
         return gen.scheduler.run_exclusive(job)
 
     def pause_generation(self) -> None:
-        """Abort what is decoding (it resumes at continue_generation) and hold new requests."""
+        """Abort what is decoding (it resumes at continue_generation), or freeze it with
+        `pause_mode: in_place`, and hold new requests."""
         self._allowed.clear()
-        self.generator.scheduler.pause().result()
+        in_place = self.config.pause_mode == "in_place"
+        self.generator.scheduler.pause(in_place=in_place).result()
 
     def continue_generation(self) -> None:
         self.generator.scheduler.resume()

@@ -45,7 +45,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
-    weight_version: int = 0
+    weight_version: int = 0  # of the weights serving it now
+    # (version, first output index it produced): the admission's, then each weight update the
+    # row lived through frozen by an in-place pause; empty when there was none
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     # OpenAI `top_logprobs`: k most likely (token, logprob) per step, computed only when k > 0
     top_logprobs: int = 0
@@ -54,6 +57,33 @@ class Sequence:
     @property
     def rid(self) -> str:
         return self.req.rid
+
+    def new_weights(self, version: int) -> None:
+        """The weights changed under this running row: its next tokens come from `version`."""
+        if not self.version_changes:
+            self.version_changes.append((self.weight_version, 0))
+        self.version_changes.append((version, len(self.output_ids)))
+        self.weight_version = version
+
+    def version_spans(self) -> list[dict] | None:
+        """Output tokens by weight version, [{"version", "start", "end"}] (vLLM's
+        `weight_versions` form), or None when one version produced them all."""
+        marks = self.version_changes
+        if not marks:
+            return None
+        ends = [start for _, start in marks[1:]] + [len(self.output_ids)]
+        return [
+            {"version": v, "start": start, "end": end}
+            for (v, start), end in zip(marks, ends)
+            if end > start
+        ]
+
+    def token_versions(self) -> list[int]:
+        """The weight version that produced each output token."""
+        spans = self.version_spans() or [
+            {"version": self.weight_version, "start": 0, "end": len(self.output_ids)}
+        ]
+        return [v for s in spans for v in [s["version"]] * (s["end"] - s["start"])]
 
     def append(self, token: int, logprob: float) -> None:
         self.output_ids.append(token)
@@ -119,6 +149,10 @@ class ModelRunner:
     @property
     def num_running(self) -> int:
         return 0 if self.batch is None else len(self.batch.seqs)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [] if self.batch is None else list(self.batch.seqs)
 
     @property
     def can_join_running(self) -> bool:
@@ -269,9 +303,8 @@ class ModelRunner:
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights_from_disk(self, path: str) -> str:
-        """Copy a same-architecture checkpoint into the live parameters (no re-allocation)."""
-        if self.batch is not None:
-            raise RuntimeError("cannot load weights while requests are running")
+        """Copy a same-architecture checkpoint into the live parameters (no re-allocation).
+        The scheduler calls this between steps, with no row running or the running ones frozen."""
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         state = self._read_safetensors(files) if files else None
         if state is None:
@@ -281,8 +314,6 @@ class ModelRunner:
 
     def load_named_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> str:
         """A partial update (one bucket of a distributed push): names and shapes must match."""
-        if self.batch is not None:
-            raise RuntimeError("cannot load weights while requests are running")
         own = self.model.state_dict()
         bad = [
             f"{n} {list(t.shape)}" for n, t in tensors if n not in own or own[n].shape != t.shape

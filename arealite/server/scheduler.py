@@ -1,9 +1,15 @@
 """Continuous-batching scheduler: one background thread owns the model and runs the decode loop.
 
 HTTP handlers only enqueue work and await `concurrent.futures.Future`s. Between two decoding
-steps the thread applies control actions (pause = abort everything in flight, per-request
-aborts, exclusive jobs such as weight loads that need an idle model) and admits waiting
-requests into the running batch, so a new request joins the next step rather than the next batch.
+steps the thread applies control actions (pause, per-request aborts, exclusive jobs such as
+weight loads) and admits waiting requests into the running batch, so a new request joins the
+next step rather than the next batch.
+
+A pause either aborts everything in flight (`abort`: the client resubmits prompt + tokens so far,
+a prefill each) or freezes the running rows with their KV caches (`in_place`): weight loads then
+run between two steps of those rows, which go on under the new weights from the next step, each
+token tagged with the version that produced it (in-flight updates; the KV cache of the earlier
+tokens stays as the old weights computed it).
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class Scheduler:
         self._pause_acks: list[Future] = []
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self._paused = False
+        self._frozen = False  # paused in place: running rows keep their state but do not step
         self._stopping = False
         self._last_log = time.monotonic()
         self._tokens_at_last_log = 0
@@ -126,25 +133,29 @@ class Scheduler:
                 self._aborts.add_sequence(seq)
             self._cond.notify()
 
-    def pause(self) -> Future:
-        """Abort all in-flight requests and hold new ones; resolves once nothing is running."""
+    def pause(self, in_place: bool = False) -> Future:
+        """Hold new requests and stop decoding; in-flight ones are aborted, or with `in_place`
+        kept (frozen with their KV caches until `resume`). Resolves once no step is running."""
         fut: Future = Future()
         with self._cond:
             self._paused = True
+            self._frozen = self._frozen or in_place
             self.metrics.paused = True
-            self._aborts.abort_everything(self._waiting)
+            if not in_place:
+                self._aborts.abort_everything(self._waiting)
             self._pause_acks.append(fut)
             self._cond.notify()
         return fut
 
     def resume(self) -> None:
         with self._cond:
-            self._paused = False
+            self._paused = self._frozen = False
             self.metrics.paused = False
             self._cond.notify()
 
     def run_exclusive(self, job: Callable[[], Any]) -> Future:
-        """Run `job` on the scheduler thread once no request is running (new ones are held)."""
+        """Run `job` on the scheduler thread between two steps, once no request is running or
+        the running ones are frozen by an in-place pause (new ones are held meanwhile)."""
         fut: Future = Future()
         with self._cond:
             self._jobs.append((job, fut))
@@ -152,9 +163,11 @@ class Scheduler:
         return fut
 
     def set_weight_version(self, version: int) -> None:
-        """Called from exclusive jobs only, so no running request straddles two versions."""
+        """Called from exclusive jobs only: rows frozen in place go on under `version`."""
         self.weight_version = version
         self.metrics.weight_version = version
+        for seq in self.runner.running:
+            seq.new_weights(version)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -164,13 +177,13 @@ class Scheduler:
 
     # ---- scheduler thread -------------------------------------------------------------------
     def _has_work(self) -> bool:
-        running = self.runner.num_running
+        stepping = self.runner.num_running and not self._frozen
         return bool(
             self._stopping
             or self._aborts
             or self._pause_acks
-            or running
-            or (self._jobs and not running)
+            or stepping
+            or (self._jobs and not stepping)
             or (self._waiting and not self._paused and not self._jobs)
         )
 
@@ -187,8 +200,10 @@ class Scheduler:
             self._finish(aborted)
             for ack in acks:
                 _settle(ack, True)
-            if self._jobs and self.runner.num_running == 0:
+            if self._jobs and (self.runner.num_running == 0 or self._frozen):
                 self._run_jobs()
+                continue
+            if self._frozen:
                 continue
             self._step(self._admit())
             self._maybe_log()
