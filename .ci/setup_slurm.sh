@@ -90,7 +90,7 @@ fi
 # ---------------------------------------------------------------- slurm.conf
 if [ ! -f "$CONF" ] || grep -qF "$MARKER" "$CONF"; then
     host=$(hostname)
-    ncpu=$(nproc)
+    ncpu=$(nproc --all)  # the node's CPUs: plain nproc obeys OMP_NUM_THREADS of the caller
     mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
     $SUDO mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
     $SUDO tee "$CONF" >/dev/null <<EOF
