@@ -17,16 +17,19 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# The longest modules, longest first (seconds in `make test`, 2026-11-27, 2-core EPYC): recover
-# 116, chaos 96, launcher_slurm 72, tensor_parallel 54, launcher_ray 52, byot 41. Order only: a
-# stale entry costs balance between pytest-xdist workers, never a result.
+# The longest modules, longest first (seconds in `make test`, 2026-11-27 night, 2-core EPYC):
+# recover 140, chaos 122, launcher_ray 83, launcher_slurm 76, lora 74, tensor_parallel 71, byot
+# 52, vllm_remote 48. Order only: a stale entry costs balance between pytest-xdist workers,
+# never a result.
 LONGEST_FIRST = (
     "test_recover",
     "test_chaos",
-    "test_launcher_slurm",
-    "test_tensor_parallel",
     "test_launcher_ray",
+    "test_launcher_slurm",
+    "test_lora",
+    "test_tensor_parallel",
     "test_byot",
+    "test_vllm_remote",
 )
 
 

@@ -335,3 +335,36 @@ def test_bad_weight_dir_is_reported_and_server_survives(engine, tiny_model_dir, 
     again = generate(engine, max_new_tokens=8, greedy=True)
     assert again.output_tokens == before.output_tokens
     assert again.output_versions == before.output_versions
+
+
+def test_an_in_place_update_keeps_the_requests_running(engine, server, tiny_model_dir):
+    """pause_mode in_place -> vLLM's /pause?mode=keep: the update lands while the requests run,
+    none is aborted, each gets its whole budget and ends under the new version. Last in the
+    module: it changes the served weights behind the module's client."""
+    if engine.failed:
+        pytest.skip("this vLLM build killed its engine on the failed reload above")
+    budget, n = 640, 4
+    version = engine.weight_version + 1
+    with remote_engine(server.address, RemoteVLLMEngine, pause_mode="in_place") as keeping:
+
+        async def scenario():
+            g = gen(budget, temperature=1.0, ignore_eos=True)
+            tasks = [
+                asyncio.ensure_future(
+                    keeping.agenerate(ModelRequest(input_ids=PROMPT + [i], gconfig=g))
+                )
+                for i in range(n)
+            ]
+            await until(lambda: server.metric("vllm:num_requests_running") >= n, "running")
+            assert not any(t.done() for t in tasks)
+            meta = WeightUpdateMeta.from_disk(tiny_model_dir, version=version)
+            await asyncio.wrap_future(keeping.update_weights(meta))
+            return await asyncio.gather(*tasks)
+
+        resps = asyncio.run(scenario())
+        assert keeping.stats()["aborted_chunks"] == 0
+    for r in resps:
+        assert r.output_len == budget
+        assert r.output_versions == sorted(r.output_versions)
+        assert r.output_versions[-1] == version
+    engine.expect_weight_version(version)
