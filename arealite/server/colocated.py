@@ -182,10 +182,10 @@ class ColocatedEngine(InferenceEngine):
         """The trainer's weights, in memory (see ColocatedGenerator.load): loaded once the
         running rows finish (new ones wait), or with `pause_mode: in_place` at once, the
         running rows frozen meanwhile and going on under the new weights."""
-        if self.config.pause_mode != "in_place":
+        scheduler = self.generator.scheduler
+        if self.config.pause_mode != "in_place" or scheduler.paused:  # a pause stays the caller's
             self.generator.load(buckets, version)
             return
-        scheduler = self.generator.scheduler
         scheduler.pause(in_place=True).result()
         try:
             self.generator.load(buckets, version)
