@@ -1,5 +1,6 @@
 """Where a long_sums model is right, by term count m: greedy accuracy on the held-out problems
-and the reward at the sampling temperature (what GRPO's groups see), per m.
+and the reward at the sampling temperature (what GRPO's groups see), per m; and how much of
+that reward is earned by right work (every scratchpad line right) rather than by luck.
 
 A held-out accuracy alone hides which problems it comes from: the first warm start's 23.5% was
 m = 1 alone (79% there, 0% for m = 2-8), a model that had never learned when to stop. This prints
@@ -8,7 +9,9 @@ the table that showed it, for any checkpoint:
     python bench/long_sums_by_length.py MODEL_DIR [--samples 8] [--temperature 1.0] [--size 200]
 
 (`--samples 0`: greedy only.) Plain HF `generate`, fp32, sampling with top-k and top-p off, as
-the embedded server samples.
+the embedded server samples. "lucky": rewarded answers whose work has a wrong line - the reward
+checks the final number only, and an approximate adder's errors can cancel; where most rewarded
+answers are lucky, GRPO reinforces wrong arithmetic as often as right.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+from typing import NamedTuple
 
 import torch
 from bench_io import emit, emit_machine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arealite.tasks.arith import last_integer
-from arealite.tasks.long_sums import generate_problems, prompt_text
+from arealite.tasks.long_sums import generate_problems, prompt_text, scratchpad
 
 
 def left_padded(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +43,14 @@ def left_padded(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, mask
 
 
+class Answer(NamedTuple):
+    reward: float  # the final number is right
+    work: bool  # the whole answer is the worked scratchpad, every line right
+
+
 def correct_by_terms(model, tokenizer, problems, samples: int, temperature: float) -> dict:
-    """{m: [1.0 / 0.0 per answer]}; samples 0 = one greedy answer per problem."""
-    hits: dict[int, list[float]] = collections.defaultdict(list)
+    """{m: [Answer per answer]}; samples 0 = one greedy answer per problem."""
+    hits: dict[int, list[Answer]] = collections.defaultdict(list)
     n = max(samples, 1)
     for i in range(0, len(problems), 50):
         chunk = problems[i : i + 50]
@@ -60,7 +69,8 @@ def correct_by_terms(model, tokenizer, problems, samples: int, temperature: floa
         for j, seq in enumerate(out):
             start, digit, terms = chunk[j // n]
             text = tokenizer.decode(seq[batch.shape[1] :], skip_special_tokens=True)
-            hits[terms].append(float(last_integer(text) == start + digit * terms))
+            reward = float(last_integer(text) == start + digit * terms)
+            hits[terms].append(Answer(reward, text.strip() == scratchpad(start, digit, terms)))
     return hits
 
 
@@ -82,15 +92,30 @@ def main() -> None:
         if args.samples
         else {}
     )
-    print("| m | problems | greedy | reward at T |\n|---|---|---|---|")
+    print("| m | problems | greedy | greedy, right work | reward at T | lucky share at T |")
+    print("|---|---|---|---|---|---|")
     for m in sorted(greedy):
-        g, s = greedy[m], sampled.get(m, [])
-        reward = f"{sum(s) / len(s):.3f}" if s else "-"
-        print(f"| {m} | {len(g)} | {sum(g) / len(g):.2f} | {reward} |")
-        emit("by_terms", terms=m, problems=len(g), greedy=statistics.mean(g), sampled=reward)
-    every = [v for vs in greedy.values() for v in vs]
-    drawn = [v for vs in sampled.values() for v in vs]
-    emit("all", greedy=statistics.mean(every), sampled=statistics.mean(drawn) if drawn else None)
+        row = summarize(greedy[m], sampled.get(m, []))
+        print(f"| {m} | {len(greedy[m])} | " + " | ".join(_cell(v) for v in row.values()) + " |")
+        emit("by_terms", terms=m, problems=len(greedy[m]), **row)
+    every = [a for answers in greedy.values() for a in answers]
+    drawn = [a for answers in sampled.values() for a in answers]
+    emit("all", problems=len(every), **summarize(every, drawn))
+
+
+def summarize(greedy: list[Answer], sampled: list[Answer]) -> dict:
+    """Greedy accuracy (and with right work), reward at T and its lucky share."""
+    rewarded = [a for a in sampled if a.reward]
+    return {
+        "greedy": statistics.mean(a.reward for a in greedy),
+        "greedy_right_work": statistics.mean(a.reward * a.work for a in greedy),
+        "sampled": statistics.mean(a.reward for a in sampled) if sampled else None,
+        "lucky_share": sum(not a.work for a in rewarded) / len(rewarded) if rewarded else None,
+    }
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Both start from the same SFT warm start (the tiny offline model fine-tuned by th
 config), train on the same prompts with the same batch, max length and reward (`arith`: sums of
 three one-digit numbers, 16 prompts x 8 samples, 8 new tokens; `long_sums`: worked sums of 2-20
 digits, 8 prompts x 8 samples, 320 new tokens; both temperature 1, exact match), lr 1e-4,
-clip 0.2, no KL, dtype auto (fp32 on a CPU without native bf16), on this machine, one after the
+clip 0.2, no KL, fp32 weights computed in bf16 where it is native (arealite's `param_dtype:
+auto`; TRL's `bf16=True` autocast), on this machine, one after the
 other, each for `--minutes` of wall clock or `--steps` optimizer steps, whichever ends first. Both
 decay the lr linearly to 0 over `--steps` (TRL's default schedule; the default, 1300, is about
 what TRL does in 10 minutes on a 2-core CPU, so its schedule ends near its budget); `--steps 0`:
@@ -232,8 +233,11 @@ def trl_child(
     train = task.rows("train", 10000).map(lambda r: {"prompt": r["messages"]})
     test = list(task.rows("test", 200))
     device = "cuda" if gpu else "cpu"
+    # fp32 master weights as arealite keeps them (its actor's dtype), bf16 compute by autocast
+    # where native: bf16 weights would round away most Adam steps at these lrs (half an ulp of
+    # a 0.05 weight is 1.2e-4), and TRL would hardly train.
     dtype = getattr(torch, resolve_dtype("auto", device))
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
     log = open(out, "w")
 
     def reward(prompts, completions, answer, **_):
