@@ -202,3 +202,40 @@ def test_server_load_meter_counts_the_batched_steps_of_a_group(engine):
     assert 0.0 < stats["rollout/server_busy_frac"] <= 1.0
     assert stats["rollout/interrupted_requests"] == 0.0
     assert meter.step_stats()["rollout/server_batch_rows"] == 0.0  # nothing since: no steps
+
+
+@pytest.mark.integration
+def test_sampled_evaluation_scores_n_samples_answers_per_held_out_prompt(tmp_path, tiny_model_dir):
+    """`evaluator.temperature: 1, n_samples: 3`: every evaluation scores 3 sampled answers of each
+    of the 8 held-out prompts (24 reward calls), and the accuracy is their mean reward."""
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "count.py").write_text(
+        "def counted(prompt, completions, prompt_ids, completion_ids, answer=None, **kw):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write(completions.replace('\\n', ' ') + '\\n')\n"
+        "    return float(completions.strip() == str(answer))\n"
+    )
+    run = tmp_path / "sampled" / "t"
+    args = [
+        f"cluster.fileroot={tmp_path}",
+        "experiment_name=sampled",
+        "trial_name=t",
+        f"actor.path={tiny_model_dir}",
+        "total_train_steps=2",
+        "allocation_mode=colocated+d1p1t1",
+        "rollout.dynamic_sampling=false",
+        "train_dataset.batch_size=2",
+        "gconfig.n_samples=2",
+        "gconfig.max_new_tokens=4",
+        "valid_dataset.options.size=8",
+        "evaluator.freq_steps=1",
+        "evaluator.temperature=1.0",
+        "evaluator.n_samples=3",
+        f"eval_reward={tmp_path / 'count.py'}:counted",
+    ]
+    run_arith_grpo(args)
+    records, _ = metrics_and_versions(run)
+    evals = [r[k] for r in records for k in r if k.startswith("eval/accuracy")]
+    n_calls = calls.read_bytes().count(b"\n")  # a line a call (bytes: a sample may hold a \r)
+    assert n_calls - 24 * len(evals) in (0, 1), (n_calls, evals)  # + 1: the launch's preflight
+    assert len(evals) >= 2 and all(round(a * 24, 4).is_integer() for a in evals), evals

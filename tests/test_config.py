@@ -73,6 +73,9 @@ def test_missing_required_key():
         ("actor.kl_ctl=0.1", "ref.path"),
         ("actor.c_clip=0.5", "c_clip"),
         ("actor.optimizer.lr_scheduler_type=exp", "lr_scheduler_type"),
+        ("evaluator.n_samples=4", "evaluator.n_samples=4 with temperature 0"),
+        ("evaluator.temperature=-1", "evaluator.temperature must be >= 0"),
+        ("evaluator.n_samples=0", "evaluator.n_samples must be >= 1"),
     ],
 )
 def test_impossible_combinations(grpo_yaml, override, needle):

@@ -132,8 +132,8 @@ class RecordedRollouts:
 
 @dataclasses.dataclass
 class Evaluation:
-    """Greedy held-out accuracy (mean reward) on a separate client, so evaluation never counts
-    against the training rollouts' staleness budget."""
+    """Held-out accuracy (mean reward; greedy, or sampled as `evaluator` says) on a separate
+    client, so evaluation never counts against the training rollouts' staleness budget."""
 
     accuracy: Callable[[], float]
     executor: WorkflowExecutor
@@ -162,7 +162,12 @@ class Evaluation:
         )
         executor = WorkflowExecutor(eval_cfg, run.rollout_engine(eval_cfg))
         executor.initialize(train_data_parallel_size=world)
-        gconfig = config.gconfig.new(n_samples=1, greedy=True, temperature=0.0)
+        sampling = config.evaluator
+        gconfig = config.gconfig.new(
+            n_samples=sampling.n_samples,
+            greedy=sampling.temperature == 0,
+            temperature=sampling.temperature,
+        )
         reward = (config.eval_reward, None) if config.eval_reward else reward_of(config)
         pool = reward_pool_of(
             *reward,
@@ -178,7 +183,8 @@ class Evaluation:
             batch = executor.rollout_batch(rows, workflow)
             if pool is not None:  # an evaluation in which every reward call failed stops the run
                 pool.end_step("evaluation")
-            correct = torch.tensor([float(batch["rewards"].sum()), float(len(rows))])
+            rewards = batch["rewards"]
+            correct = torch.tensor([float(rewards.sum()), float(rewards.numel())])
             if world > 1:
                 dist.all_reduce(correct)
             return (correct[0] / correct[1].clamp(min=1)).item()
