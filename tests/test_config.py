@@ -167,6 +167,11 @@ def test_sft_requires_train_only_allocation(tmp_path):
             ["experiment_name=e", "trial_name=t", "model.path=m", "allocation_mode=local.d1+d1"],
             SFTConfig,
         )
+    with pytest.raises(ConfigError, match=r"evaluator.temperature=1.0.*SFT evaluates its loss"):
+        load_expr_config(
+            ["experiment_name=e", "trial_name=t", "model.path=m", "evaluator.temperature=1.0"],
+            SFTConfig,
+        )
 
 
 def test_allocation_mode_parsing():

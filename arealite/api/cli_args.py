@@ -303,6 +303,12 @@ def check_trainer_only(config, what: str, example_mode: str) -> None:
             f"allocation_mode={config.allocation_mode!r}: {what} runs no inference servers; "
             f"use a train-only mode such as {example_mode!r}"
         )
+    sampling = config.evaluator
+    if sampling.temperature != 0 or sampling.n_samples != 1:
+        raise ConfigError(
+            f"evaluator.temperature={sampling.temperature}, n_samples={sampling.n_samples}: "
+            f"they sample held-out answers in RL; {what} evaluates its loss - remove them"
+        )
     if not config.model.path:
         raise ConfigError("model.path is required (an HF model directory or hub id)")
 
