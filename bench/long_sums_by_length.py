@@ -48,6 +48,12 @@ class Answer(NamedTuple):
     work: bool  # the whole answer is the worked scratchpad, every line right
 
 
+def grade(text: str, start: int, digit: int, terms: int) -> Answer:
+    """The reward (final number) and whether the work is the worked scratchpad, line by line."""
+    reward = float(last_integer(text) == start + digit * terms)
+    return Answer(reward, text.strip() == scratchpad(start, digit, terms))
+
+
 def correct_by_terms(model, tokenizer, problems, samples: int, temperature: float) -> dict:
     """{m: [Answer per answer]}; samples 0 = one greedy answer per problem."""
     hits: dict[int, list[Answer]] = collections.defaultdict(list)
@@ -69,8 +75,7 @@ def correct_by_terms(model, tokenizer, problems, samples: int, temperature: floa
         for j, seq in enumerate(out):
             start, digit, terms = chunk[j // n]
             text = tokenizer.decode(seq[batch.shape[1] :], skip_special_tokens=True)
-            reward = float(last_integer(text) == start + digit * terms)
-            hits[terms].append(Answer(reward, text.strip() == scratchpad(start, digit, terms)))
+            hits[terms].append(grade(text, start, digit, terms))
     return hits
 
 

@@ -83,3 +83,17 @@ def test_the_machine_figure_says_how_busy_the_cpu_is(capsys, monkeypatch):
     assert line["figure"] == "machine" and line["load_1min"] == 9.0 and line["workdir"] == "/w"
     assert "cpu" in line and "autogroup" in line
     assert "load average 9.0" in out.err and "timings will be low" in out.err
+
+
+def test_by_length_counts_a_right_number_on_wrong_work_as_lucky():
+    """long_sums_by_length's lucky share: rewarded answers whose scratchpad has a wrong line."""
+    import long_sums_by_length as by_length
+
+    from arealite.tasks.long_sums import scratchpad
+
+    right = scratchpad(38, 4, 2)  # "2: 38+4=42\n1: 42+4=46\n#### 46"
+    lucky = "2: 38+4=41\n1: 41+4=46\n#### 46"  # two slips that cancel
+    wrong = "2: 38+4=42\n1: 42+4=45\n#### 45"
+    answers = [by_length.grade(t, 38, 4, 2) for t in (right, lucky, wrong, right)]
+    row = by_length.summarize(answers[:1], answers)
+    assert row == {"greedy": 1.0, "greedy_right_work": 1.0, "sampled": 0.75, "lucky_share": 1 / 3}
