@@ -10,9 +10,10 @@ other, each for `--minutes` of wall clock or `--steps` optimizer steps, whicheve
 decay the lr linearly to 0 over `--steps` (TRL's default schedule; the default, 1300, is about
 what TRL does in 10 minutes on a 2-core CPU, so its schedule ends near its budget); `--steps 0`:
 constant lr, no step limit (the earlier protocol: late in a run the accuracy of both swings).
-Greedy held-out accuracy (the task's held-out split) is taken every 60 s in both: TRL through a
-callback that runs `model.generate`, arealite through its evaluator (`evaluator.freq_secs=60`,
-greedy through the server).
+Held-out accuracy (the task's held-out split) is taken every 60 s in both, as the task's GRPO
+config's `evaluator` says (arith: one greedy answer; long_sums: avg@4 at temperature 1): TRL
+through a callback that runs `model.generate`, arealite through its evaluator
+(`evaluator.freq_secs=60`, through the server).
 
 Figures (JSON lines): per system and seed the accuracy at each minute, seconds per step, and
 CPU-seconds per informative sample (samples in groups whose rewards differ: the ones with a
@@ -59,6 +60,15 @@ class TaskSpec:
     n_samples: int
     new_tokens: int
     levels: tuple[float, ...]
+
+    def evaluation(self) -> tuple[float, int]:
+        """(temperature, answers per prompt) of the GRPO config's held-out evaluation, which
+        TRL's callback then matches: (0, 1) is one greedy answer, else avg@n sampled."""
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(os.path.join(REPO, "examples", "configs", self.grpo_config))
+        evaluator = cfg.get("evaluator") or {}
+        return float(evaluator.get("temperature", 0.0)), int(evaluator.get("n_samples", 1))
 
     def rows(self, split: str, size: int):
         """The task's RL rows (messages, answer) from arealite's own loader."""
@@ -243,6 +253,13 @@ def trl_child(
     def reward(prompts, completions, answer, **_):
         return [float(last_integer(c[0]["content"]) == int(a)) for c, a in zip(completions, answer)]
 
+    temperature, n_answers = task.evaluation()  # as arealite's evaluator (the GRPO config)
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+
     def accuracy() -> float:
         tok.padding_side = "left"
         texts = [
@@ -255,12 +272,14 @@ def trl_child(
             gen = policy.generate(
                 **enc,
                 max_new_tokens=task.new_tokens,
-                do_sample=False,
                 pad_token_id=tok.pad_token_id,
+                num_return_sequences=n_answers,
+                **sampling,
             )
         policy.train()
         outs = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        return sum(last_integer(o) == int(r["answer"]) for o, r in zip(outs, test)) / len(test)
+        answers = [r["answer"] for r in test for _ in range(n_answers)]
+        return sum(last_integer(o) == int(a) for o, a in zip(outs, answers)) / len(outs)
 
     class EveryMinute(TrainerCallback):
         """Evaluates every 60 s of training time: its own evaluations (HF `generate`, slow at

@@ -97,3 +97,9 @@ def test_by_length_counts_a_right_number_on_wrong_work_as_lucky():
     answers = [by_length.grade(t, 38, 4, 2) for t in (right, lucky, wrong, right)]
     row = by_length.summarize(answers[:1], answers)
     assert row == {"greedy": 1.0, "greedy_right_work": 1.0, "sampled": 0.75, "lucky_share": 1 / 3}
+
+
+def test_trls_evaluation_matches_the_grpo_configs_evaluator():
+    """vs_trl's TRL callback samples as arealite's evaluator does, task by task."""
+    assert long_regime.TASKS["long_sums"].evaluation() == (1.0, 4)  # avg@4 at temperature 1
+    assert long_regime.TASKS["arith"].evaluation() == (0.0, 1)  # one greedy answer
