@@ -49,7 +49,8 @@ class Answer(NamedTuple):
 
 
 def grade(text: str, start: int, digit: int, terms: int) -> Answer:
-    """The reward (final number) and whether the work is the worked scratchpad, line by line."""
+    """The reward (final number) and whether the work is the worked scratchpad line by line (the
+    recipe's count-down pad)."""
     reward = float(last_integer(text) == start + digit * terms)
     return Answer(reward, text.strip() == scratchpad(start, digit, terms))
 
