@@ -256,7 +256,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.axhline(results[0]["target"], color="grey", lw=0.8)
     ax.set(
         xlabel="wall time (s)",
-        ylabel="greedy held-out accuracy",
+        ylabel="held-out accuracy (the config's evaluator)",
         title="long_sums: accuracy vs wall clock (one line per arm and seed)",
     )
     ax.grid(alpha=0.3)
