@@ -2,7 +2,8 @@
 user takes (`python -m arealite.launcher.local examples/... --config ...`), checked by its files.
 
 Three runs (~2 min on 2 cores): asynchronous GRPO (1 embedded server + 2 FSDP ranks; weight
-updates in place, in-flight requests kept), SFT over 2 ranks, then synchronous GRPO (eta = 0) starting from the SFT export, as a user would chain them.
+updates in place, in-flight requests kept), SFT over 2 ranks, then synchronous GRPO (eta = 0)
+starting from the SFT export, as a user would chain them.
 """
 
 from __future__ import annotations
