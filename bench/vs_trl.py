@@ -33,6 +33,7 @@ Needs the `bench` extra (`pip install -e .[bench]`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -170,6 +171,14 @@ def run_arealite(
 
 
 # ----------------------------------------------------------------------------- TRL
+
+
+def require_trl() -> None:
+    """Fail before any run when TRL is missing, not after hours of the other arms."""
+    if importlib.util.find_spec("trl") is None:
+        sys.exit(
+            "the TRL arm needs the `bench` extra: pip install -e '.[bench]' (trl, peft, accelerate)"
+        )
 
 
 def run_trl(
@@ -505,6 +514,8 @@ def main() -> None:
             args.lr,
             TASKS[args.task],
         )
+    if "trl" in args.systems.split(","):
+        require_trl()
     workdir = make_workdir(args.workdir, "bench_vs_trl_")
     emit_machine()
     task = TASKS[args.task]

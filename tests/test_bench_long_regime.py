@@ -103,3 +103,22 @@ def test_trls_evaluation_matches_the_grpo_configs_evaluator():
     """vs_trl's TRL callback samples as arealite's evaluator does, task by task."""
     assert long_regime.TASKS["long_sums"].evaluation() == (1.0, 4)  # avg@4 at temperature 1
     assert long_regime.TASKS["arith"].evaluation() == (0.0, 1)  # one greedy answer
+
+
+def test_part_b_without_trl_fails_before_any_run(tmp_path, monkeypatch):
+    """TRL is in the `bench` extra only: a missing TRL must stop the bench at its arguments,
+    not after the hours of parts a and c that run before part b."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "trl" else real_find_spec(name, *a),
+    )
+    argv = ["long_regime.py", "--workdir", str(tmp_path), "--arms", "eta0_decoupled_mb1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--parts", "a,b"])
+    with pytest.raises(SystemExit, match=r"bench.*trl"):
+        long_regime.parse_args()
+    monkeypatch.setattr(sys, "argv", [*argv, "--parts", "a"])
+    assert long_regime.parse_args().parts == ["a"]
