@@ -158,6 +158,8 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
             later, "behave_imp_weight_std" if decoupled else "importance_weight_std"
         ),
         "interrupted_requests": sum(r.get("rollout/interrupted_requests", 0) for r in recs),
+        # Groups generated and then dropped past the staleness bound (their tokens wasted).
+        "surplus_episodes": max((r.get("rollout/surplus_total", 0) for r in recs), default=0),
         **{k.replace("rollout/", ""): bench_io.mean_of(later, k) for k in REGIME_KEYS},
     }
 
@@ -221,6 +223,7 @@ def arm_table(results: list[dict]) -> None:
         "gen_len_p90",
         "gen_len_max",
         "server_busy_frac",
+        "surplus_episodes",
     )
     print("| arm | seeds | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 2) + "|")

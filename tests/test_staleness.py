@@ -7,10 +7,12 @@ import pytest
 from arealite.rollout import StalenessController
 
 
-def capacity_by_formula(C, B, eta, W, v, running, accepted):
-    """min(C/W - running, (eta + v + 1) * B/W - (accepted + running)), as docs/design.md writes it."""
+def capacity_by_formula(C, B, eta, W, v, running, accepted, oldest=None):
+    """min(C/W - running, (eta + o + 1) * B/W - (accepted + running)), o = the oldest running
+    episode's start version (v when none runs), as docs/design.md writes it."""
     c, b = max(1, C // W), max(1, B // W)
-    return min(c - running, (eta + v + 1) * b - (accepted + running))
+    o = v if oldest is None else min(v, oldest)
+    return min(c - running, (eta + o + 1) * b - (accepted + running))
 
 
 def test_synchronous_rl_admits_exactly_one_batch_per_version():
@@ -50,6 +52,21 @@ def test_refusals_over_provision_and_surplus_past_the_bound_is_refused():
     assert eta2.within_bound(0, 23) and not eta2.within_bound(0, 24)
 
 
+def test_the_budget_counts_from_the_oldest_running_episode():
+    """Episodes finish out of order: one started at version 0 still runs at version 2 while
+    later ones were trained. Counting from v would admit starts that push it past eta; counting
+    from the oldest start keeps it within the bound, so it is never dropped as surplus."""
+    s = StalenessController(
+        max_concurrent_rollouts=100, consumer_batch_size=2, max_head_offpolicyness=1
+    )
+    # version 1: batch 0 trained, 3 accepted, the straggler from version 0 still runs
+    assert s.capacity(version=1, running=1, accepted=3) == 2  # (1 + 1 + 1) * 2 - 4
+    assert s.capacity(version=1, running=1, accepted=3, oldest_running=0) == 0  # 2 * 2 - 4
+    # what it guards: by v, 5 more accepted first, and the straggler would be the 6th
+    assert not s.within_bound(0, 5) and s.within_bound(0, 3)
+    assert s.capacity(version=1, running=1, accepted=3, oldest_running=1) == 2  # as from v
+
+
 def test_concurrency_caps_and_world_size_splits_the_budget():
     s = StalenessController(
         max_concurrent_rollouts=6, consumer_batch_size=100, max_head_offpolicyness=0
@@ -69,8 +86,10 @@ def test_matches_the_documented_formula(W, eta):
     for v in range(4):
         for running in range(0, 8, 3):
             for accepted in range(0, 30, 7):
-                got = s.capacity(version=v, running=running, accepted=accepted)
-                assert got == capacity_by_formula(10, 6, eta, W, v, running, accepted)
+                for oldest in (None, 0, v):
+                    got = s.capacity(v, running, accepted, oldest_running=oldest)
+                    want = capacity_by_formula(10, 6, eta, W, v, running, accepted, oldest)
+                    assert got == want
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,40 @@ def test_staleness_bound(engine_factory, eta):
     assert executor.get_capacity() <= 0 or s["queued"] == 0
 
 
+class Sleeps(RolloutWorkflow):
+    """An episode of `secs` seconds: long and short answers, without a server's timing."""
+
+    async def arun_episode(self, engine, data):
+        await asyncio.sleep(data["secs"])
+        return pad_sequences_to_tensors(
+            [{"input_ids": torch.tensor([1, 2]), "item": torch.tensor(data["id"])}]
+        )
+
+
+def test_a_long_episode_holds_admission_instead_of_being_dropped(engine_factory):
+    """Out-of-order finishing (the long regime): item 0 runs for 3 s, the rest finish at once.
+    The staleness budget counts from the oldest running episode, so nothing starts that could
+    push item 0 past eta; it is trained in the next batch, and no episode is ever surplus."""
+    B, eta = 2, 1
+    executor = engine_factory(
+        consumer_batch_size=B, max_head_offpolicyness=eta, max_concurrent_rollouts=100
+    )
+    wf = Sleeps()
+    for i in range(8):
+        executor.submit({"id": i, "secs": 3.0 if i == 0 else 0.0}, wf)
+    first = executor.wait(B, timeout=30)["item"].tolist()  # batch 0: two of items 1-3
+    executor.set_version(1)
+    time.sleep(0.5)  # by v alone, 2 more could start now and finish before item 0
+    s = executor.stats()
+    assert (s["running"], s["accepted"]) == (1, 3), s  # only item 0 runs
+    second = executor.wait(B, timeout=30)["item"].tolist()  # batch 1: the third short one, item 0
+    assert 0 in second and 0 not in first
+    executor.set_version(2)
+    rest = executor.wait(4, timeout=30)["item"].tolist()
+    assert sorted(first + second + rest) == list(range(8))
+    assert executor.stats()["surplus"] == 0
+
+
 def test_concurrency_limit_and_rejections_free_slots(engine_factory):
     executor = engine_factory(consumer_batch_size=4, max_concurrent_rollouts=2)
     wf = OneGeneration()

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +53,8 @@ class Admission:
         self._stat = RolloutStat()
         self._waiting: deque[Episode] = deque()  # submitted, not started
         self._results: deque[tuple[TensorDict, Episode]] = deque()
+        # start version -> episodes running since it: the staleness budget counts from the oldest
+        self._running_since: Counter[int] = Counter()
         self._errors: deque[RolloutError] = deque()
         self._paused = False
         # Share of finished episodes should_accept took (moving average): admission counts
@@ -103,7 +105,8 @@ class Admission:
 
     def _capacity(self, v: int) -> int:
         s = self._stat
-        allowed = self.staleness.capacity(v, s.running, s.accepted, self._accept_rate)
+        oldest = min(self._running_since) if self._running_since else None
+        allowed = self.staleness.capacity(v, s.running, s.accepted, self._accept_rate, oldest)
         return min(allowed, self.queue_size - len(self._results) - s.running)
 
     def take(
@@ -207,6 +210,7 @@ class Admission:
                 ep.start_version = v
             self._stat.running += len(started)
             if started:
+                self._running_since[v] += len(started)
                 self._cond.notify_all()  # the input queue has room again
         return started
 
@@ -214,13 +218,13 @@ class Admission:
         """Record how `task` (the episode `ep`) ended and wake the waiters."""
         if task.cancelled():
             with self._cond:
-                self._stat.running -= 1
+                self._stop_running(ep)
                 self._cond.notify_all()
             return
         error = task.exception()
         result = task.result() if error is None else None
         with self._cond:
-            self._stat.running -= 1
+            self._stop_running(ep)
             if error is not None:
                 self._stat.failed += 1
                 self._record_error(ep, RolloutError(ep.data, ep.workflow, error))
@@ -240,6 +244,12 @@ class Admission:
                 else:
                     self._results.append((result, ep))
             self._cond.notify_all()
+
+    def _stop_running(self, ep: Episode) -> None:
+        self._stat.running -= 1
+        self._running_since[ep.start_version] -= 1
+        if not self._running_since[ep.start_version]:
+            del self._running_since[ep.start_version]
 
     def _within_bound(self, ep: Episode) -> bool:
         return self.staleness.within_bound(ep.start_version, self._stat.accepted)

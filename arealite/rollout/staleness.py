@@ -21,12 +21,18 @@ class StalenessController:
     v = the current policy version and W = the trainer's data-parallel size (each rank runs its
     own executor with 1/W of the budget), the number of episodes that may start now is
 
-        capacity = min(C/W - running, (eta + v + 1) * B/W - (accepted + running))
+        capacity = min(C/W - running, (eta + o + 1) * B/W - (accepted + running))
 
-    `accepted` counts every accepted episode since the start (consumed or not), so at version v
-    no more than (eta + v + 1) batches' worth of episodes have ever been started: a trajectory
-    is at most eta versions stale. eta = 0 is synchronous RL. Rejected and failed episodes are
-    not counted, so they free their slot. C/W and B/W are at least 1.
+    where o is the start version of the oldest episode still running (v when none runs).
+    `accepted` counts every accepted episode since the start (consumed or not). Episodes finish
+    out of order - a long answer started at version o can still run when shorter ones started
+    later have been trained on - and each accepted one is trained in the next batch, so counting
+    from v would let later starts push an old episode past eta versions (it would then be
+    dropped, with all its tokens; the long tail of answers is what would go). Counting from o
+    keeps (accepted + running) <= (eta + o + 1) batches, so whichever episode finishes next is
+    trained at most eta versions after it started: nothing is stale and nothing is wasted. eta
+    = 0 is synchronous RL. Rejected and failed episodes are not counted, so they free their
+    slot. C/W and B/W are at least 1.
 
     When a `should_accept` refuses many episodes (dynamic sampling late in a run refuses most
     groups), starting only as many as the batch still needs makes a chain of small waves, each
@@ -58,11 +64,20 @@ class StalenessController:
     def per_rank_batch(self) -> int:
         return max(1, self.consumer_batch_size // self.world_size)
 
-    def capacity(self, version: int, running: int, accepted: int, accept_rate: float = 1.0) -> int:
-        """How many more episodes may start at policy `version` (may be <= 0)."""
+    def capacity(
+        self,
+        version: int,
+        running: int,
+        accepted: int,
+        accept_rate: float = 1.0,
+        oldest_running: int | None = None,
+    ) -> int:
+        """How many more episodes may start at policy `version` (may be <= 0), while the oldest
+        running episode started at `oldest_running` (None: none runs)."""
         per_rank_concurrency = max(1, self.max_concurrent_rollouts // self.world_size)
         by_concurrency = per_rank_concurrency - running
-        budget = (self.max_head_offpolicyness + version + 1) * self.per_rank_batch
+        oldest = version if oldest_running is None else min(version, oldest_running)
+        budget = (self.max_head_offpolicyness + oldest + 1) * self.per_rank_batch
         p = min(1.0, max(MIN_ACCEPT_RATE, accept_rate))
         by_staleness = math.floor((budget - accepted) / p + 1e-9) - running
         return min(by_concurrency, by_staleness)
