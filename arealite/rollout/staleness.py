@@ -30,9 +30,9 @@ class StalenessController:
     from v would let later starts push an old episode past eta versions (it would then be
     dropped, with all its tokens; the long tail of answers is what would go). Counting from o
     keeps (accepted + running) <= (eta + o + 1) batches, so whichever episode finishes next is
-    trained at most eta versions after it started: nothing is stale and nothing is wasted. eta
-    = 0 is synchronous RL. Rejected and failed episodes are not counted, so they free their
-    slot. C/W and B/W are at least 1.
+    trained at most eta versions after it started, and none is dropped. eta = 0 is synchronous
+    RL. Rejected and failed episodes are not counted, so they free their slot. C/W and B/W
+    are at least 1.
 
     When a `should_accept` refuses many episodes (dynamic sampling late in a run refuses most
     groups), starting only as many as the batch still needs makes a chain of small waves, each
