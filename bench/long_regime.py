@@ -36,7 +36,8 @@ re-run), tables, and WORKDIR/long_regime.png (accuracy vs wall time per arm and 
 minibatches, part b 5 minutes each.
 
     python bench/long_regime.py [--quick] [--parts a,b,c] [--seeds 1,2,3] [--budget 300]
-        [--eval-secs 30] [--target 0.30 | --target-gain 0.1] [--lr 1e-5] [--trl-minutes 10] [--arms ...] [--workdir DIR]
+        [--eval-secs 30] [--target 0.30 | --target-gain 0.1] [--levels 0.8,0.86] [--lr 1e-5]
+        [--trl-minutes 10] [--arms ...] [--workdir DIR] [--report]
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def first_reaching(curve: list, level: float) -> tuple:
+    """(wall seconds, steps) of the first evaluation at or above `level`; (None, None) if none."""
+    return next(((t, s) for t, s, a in curve if a is not None and a >= level), (None, None))
+
+
 def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     """One run's figures. Off-policy figures: decoupled - KL(behaviour || current) k1 and the
     behaviour weight (proximal / behaviour, over tokens under the cap); naive and unclipped -
@@ -139,7 +145,7 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
     decoupled = loss == "decoupled"
     evals = bench_io.eval_curve(recs)
     target = args.target if args.target_gain is None else round(evals[0][2] + args.target_gain, 4)
-    hit = next(((t, s) for t, s, a in evals if a is not None and a >= target), (None, None))
+    hit = first_reaching(evals, target)
     later = recs[1:] or recs
     run = dict(arm=arm, eta=eta, loss=loss, minibatches=mb, pause_mode=pause_mode, seed=seed)
     run["budget_s"] = args.budget
@@ -183,14 +189,23 @@ def run(arm: str, seed: int, model: str, args, done: dict) -> dict:
     return done[key]
 
 
-def async_vs_sync(results: list[dict]) -> None:
-    """Part a's figures: per seed and eta, sync / async for time to target and steps/s."""
-    sync = {r["seed"]: r for r in results if r["arm"] == "eta0_decoupled_mb1"}
+def async_vs_sync(results: list[dict], levels: list[float]) -> None:
+    """Part a's figures: per seed and eta, sync / async for time to the target (and to each of
+    `levels`: one evaluation's +-2 points make a single crossing coarse) and steps/s. A seed's
+    synchronous run is its longest one in the results."""
+    sync = {}
+    for r in sorted(results, key=lambda r: r["budget_s"]):
+        if r["arm"] == "eta0_decoupled_mb1":
+            sync[r["seed"]] = r
     for r in results:
         base = sync.get(r["seed"])
         if base is None or r["loss"] != "decoupled" or r["minibatches"] != 1 or r["eta"] == 0:
             continue
         t_sync, t_async = base["time_to_target_s"], r["time_to_target_s"]
+        by_level = {}
+        for level in levels:
+            ts, ta = (first_reaching(x["accuracy_curve"], level)[0] for x in (base, r))
+            by_level[str(level)] = {"sync_s": ts, "async_s": ta, "async_over_sync": _ratio(ta, ts)}
         emit(
             "async_vs_sync",
             eta=r["eta"],
@@ -200,6 +215,7 @@ def async_vs_sync(results: list[dict]) -> None:
             sync_time_to_target_s=t_sync,
             async_time_to_target_s=t_async,
             time_ratio_sync_over_async=_ratio(t_sync, t_async),
+            async_time_fraction_by_level=by_level,
             steps_per_s_ratio=_ratio(r["steps_per_s"], base["steps_per_s"]),
             tokens_per_s_ratio=_ratio(r["tokens_per_s"], base["tokens_per_s"]),
             within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)),
@@ -315,6 +331,17 @@ def parse_args() -> argparse.Namespace:
         help="instead of --target: the warm start's accuracy plus this (e.g. a GPU warm start "
         "whose accuracy is not known beforehand)",
     )
+    p.add_argument(
+        "--levels",
+        default="",
+        help="part a: also the time to each of these accuracies (comma-separated, e.g. 0.8,0.86)",
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the tables and plot of the workdir's results (every budget) for "
+        "--arms / --seeds, e.g. after runs of different lengths",
+    )
     p.add_argument("--lr", type=float, default=1e-5, help="part b: both arms (the config's)")
     p.add_argument("--trl-minutes", type=float, default=None, help="part b (10; quick 5)")
     p.add_argument("--arms", default=None, help="override parts a and c's arms")
@@ -324,6 +351,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     q = args.quick
     args.parts = args.parts.split(",")
+    args.levels = [float(x) for x in args.levels.split(",") if x]
     args.seeds = [int(s) for s in (args.seeds or ("1" if q else "1,2,3")).split(",")]
     args.budget = args.budget or (180.0 if q else 300.0)
     args.trl_minutes = args.trl_minutes or (5.0 if q else 10.0)
@@ -332,28 +360,28 @@ def parse_args() -> argparse.Namespace:
     args.arms = args.arms.split(",") if args.arms else list(dict.fromkeys(arms))
     for arm in args.arms:
         parse_arm(arm)
-    if "b" in args.parts:
+    if "b" in args.parts and not args.report:
         require_trl()
     args.workdir = make_workdir(args.workdir, "long_regime_")
     return args
 
 
 def main() -> None:
-
     args = parse_args()
     emit_machine(workdir=args.workdir)
-    model = warm_start(args)
-    done = {
-        (r["arm"], r["seed"], r["budget_s"]): r
-        for r in read_jsonl(os.path.join(args.workdir, "results.jsonl"))
-    }
-    # Seed-major: a bench cut short still has every arm at seed 1.
-    results = [run(arm, seed, model, args, done) for seed in args.seeds for arm in args.arms]
+    found = read_jsonl(os.path.join(args.workdir, "results.jsonl"))
+    if args.report:
+        results = [r for r in found if r["arm"] in args.arms and r["seed"] in args.seeds]
+    else:
+        model = warm_start(args)
+        done = {(r["arm"], r["seed"], r["budget_s"]): r for r in found}
+        # Seed-major: a bench cut short still has every arm at seed 1.
+        results = [run(arm, seed, model, args, done) for seed in args.seeds for arm in args.arms]
     if results:
-        async_vs_sync(results)
+        async_vs_sync(results, args.levels)
         arm_table(results)
         plot(results, os.path.join(args.workdir, "long_regime.png"))
-    if "b" in args.parts:
+    if "b" in args.parts and not args.report:
         vs_trl(model, args)
     emit("done", workdir=args.workdir, runs=len(results))
 

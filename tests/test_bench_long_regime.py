@@ -122,3 +122,38 @@ def test_part_b_without_trl_fails_before_any_run(tmp_path, monkeypatch):
         long_regime.parse_args()
     monkeypatch.setattr(sys, "argv", [*argv, "--parts", "a"])
     assert long_regime.parse_args().parts == ["a"]
+
+
+def test_report_pairs_each_seed_with_its_longest_synchronous_run(tmp_path, monkeypatch, capsys):
+    """--report runs nothing: runs of different budgets (a short async arm, a longer sync one)
+    pair by seed, and part a gives the time to each --levels accuracy as async / sync."""
+    import json
+
+    def result(arm, budget, curve, steps_per_s):
+        eta, loss, mb, pause_mode = long_regime.parse_arm(arm)
+        hit = long_regime.first_reaching(curve, 0.8)
+        return dict(
+            arm=arm, eta=eta, loss=loss, minibatches=mb, pause_mode=pause_mode, seed=1,
+            budget_s=budget, accuracy_curve=curve, target=0.8, time_to_target_s=hit[0],
+            steps_to_target=hit[1], steps_per_s=steps_per_s, tokens_per_s=steps_per_s * 100,
+        )  # fmt: skip
+
+    rows = [
+        result("eta0_decoupled_mb1", 100.0, [[0, 0, 0.7], [100, 30, 0.75]], 0.3),
+        result("eta0_decoupled_mb1", 400.0, [[0, 0, 0.7], [200, 60, 0.8], [400, 120, 0.9]], 0.3),
+        result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [120, 60, 0.85]], 0.5),
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["long_regime.py", "--report", "--parts", "a", "--seeds", "1", "--workdir"]
+    arms = "eta0_decoupled_mb1,eta2_decoupled_mb1_inplace"
+    monkeypatch.setattr(sys, "argv", [*argv, str(tmp_path), "--arms", arms, "--levels", ".8,.9"])
+    long_regime.main()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    (pair,) = [x for x in lines if x["figure"] == "async_vs_sync"]
+    assert pair["sync_time_to_target_s"] == 200 and pair["async_time_to_target_s"] == 120
+    assert pair["async_time_fraction_by_level"] == {
+        "0.8": {"sync_s": 200, "async_s": 120, "async_over_sync": 0.6},
+        "0.9": {"sync_s": 400, "async_s": None, "async_over_sync": None},
+    }
+    assert pair["steps_per_s_ratio"] == 1.67 and not pair["within_half"]
+    assert (tmp_path / "long_regime.png").exists()
