@@ -20,10 +20,13 @@ from arealite.server.protocol import GenerateRequest, SamplingParams
 from arealite.tasks.long_sums import generate_problems, prompt_text
 
 
-def requests(runner: ModelRunner, rows: int, max_new: int, samples: int) -> list:
-    """`rows` requests: rows / samples distinct prompts, each `samples` times (a GRPO group)."""
+def requests(
+    runner: ModelRunner, rows: int, max_new: int, samples: int, ignore_eos: bool = False
+) -> list:
+    """`rows` requests: rows / samples distinct prompts, each `samples` times (a GRPO group);
+    with `ignore_eos` every row decodes `max_new` tokens (equal work whatever is sampled)."""
     problems = generate_problems(max(rows // samples, 1), 0, "test")
-    params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, ignore_eos=ignore_eos)
     out = []
     for i in range(rows):
         messages = [
