@@ -123,6 +123,8 @@ def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.ppo_n_minibatches={mb}",
         f"rollout.pause_mode={pause_mode}",
+        # synchronous generation and training alternate: each side gets every core in turn
+        *(["launcher.cpu_threads=shared"] if eta == 0 else []),
         *LOSSES[loss],
         *args.arealite_args.split(),
     ]

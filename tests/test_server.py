@@ -557,7 +557,8 @@ def test_tensor_weight_push_and_its_refusals(server, tiny_model_dir, tiny_model_
 
 # ---- in-process units (no HTTP) ------------------------------------------------------------------
 def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_model):
-    """A request prefilled mid-decode is left-padded into the running cache; nothing shifts."""
+    """A request prefilled mid-decode is left-padded into the running cache, finished rows
+    leave with the columns only they used, the cache grows: nothing shifts."""
     from arealite.server.model_runner import ModelRunner
     from arealite.server.protocol import GenerateRequest, SamplingParams
 
@@ -567,7 +568,8 @@ def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_mo
         params = SamplingParams(max_new_tokens=n, temperature=t, ignore_eos=True)
         return runner.new_sequence(GenerateRequest(rid=str(ids), input_ids=ids, params=params))
 
-    first = [seq([5, 6, 7], 12, 1.0), seq(list(range(10, 40)), 4, 0.0)]
+    # 48 tokens: the running rows outgrow their cache buffer's spare columns mid-decode
+    first = [seq([5, 6, 7], 48, 1.0), seq(list(range(10, 40)), 4, 0.0)]
     late = [seq(list(range(50, 90)), 6, 0.8), seq([9], 9, 1.0)]
     done = []
     with torch.inference_mode():

@@ -1,10 +1,11 @@
 """The running batch of the embedded server and the cache surgery that keeps it continuous.
 
-Rows are left-padded and share one transformers DynamicCache. Joining and leaving are pure
-tensor bookkeeping, kept apart from the model so `ModelRunner` reads as prefill/decode/sample:
-a prefilled batch joins by left-padding the shorter cache and concatenating along rows, and
-finished rows leave at once, taking with them the columns that no remaining row uses. Rows that
-share a prompt are prefilled once and repeated (`unique_prompts`, `repeat_rows`).
+Rows are left-padded and share one transformers DynamicCache whose full-attention layers keep
+spare columns (`SlackLayer`), so a decoding step writes its token in place. Joining and leaving
+are pure tensor bookkeeping, kept apart from the model so `ModelRunner` reads as
+prefill/decode/sample: a prefilled batch joins by left-padding the shorter cache and stacking
+rows, and finished rows leave at once, taking with them the columns that no remaining row uses.
+Rows that share a prompt are prefilled once and repeated (`unique_prompts`, `repeat_rows`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,95 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from arealite.server.sampling import SamplingTensors
+
+
+def spare_columns(length: int) -> int:
+    """Columns allocated beyond `length`: a quarter more (at least 32), so a row's KV grows by
+    a copy every ~length/4 tokens instead of every token."""
+    return max(32, length // 4)
+
+
+class SlackLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values are the first `length` columns of
+    buffers with spare columns: a decoding step writes its token in place, where DynamicLayer
+    concatenates (copies) the whole cache of every layer every step. Assigning `keys` /
+    `values` (transformers' own surgery) adopts the tensor as a buffer without spare columns;
+    the next update grows it."""
+
+    def __init__(self, **kwargs):
+        self._buffers: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+        self._length = {"keys": 0, "values": 0}
+        super().__init__(**kwargs)
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        buf = self._buffers[name]
+        return buf if buf is None or buf.dim() < 4 else buf[:, :, : self._length[name]]
+
+    def _adopt(self, name: str, tensor: torch.Tensor | None, length: int | None = None) -> None:
+        self._buffers[name] = tensor
+        full = 0 if tensor is None or tensor.dim() < 4 else tensor.shape[-2]
+        self._length[name] = full if length is None else length
+
+    keys = property(lambda self: self._view("keys"), lambda self, t: self._adopt("keys", t))
+    values = property(lambda self: self._view("values"), lambda self, t: self._adopt("values", t))
+
+    def _append(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        buf, start = self._buffers[name], self._length[name]
+        end = start + new.shape[-2]
+        if buf is None or buf.dim() < 4 or end > buf.shape[-2]:
+            grown = new.new_empty((*new.shape[:2], end + spare_columns(end), new.shape[-1]))
+            if start:
+                grown[:, :, :start] = buf[:, :, :start]
+            buf = grown
+        buf[:, :, start:end] = new
+        self._adopt(name, buf, end)
+        return self._view(name)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._append("keys", key_states), self._append("values", value_states)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Rows `indices` (repeats allowed), spare columns kept."""
+        for name in self._buffers:
+            if self._length[name]:
+                self._adopt(name, self._buffers[name][indices], self._length[name])
+
+    def drop_leading_columns(self, count: int) -> None:
+        """Forget the first `count` columns (padding of every row), spare columns kept."""
+        for name in self._buffers:
+            self._adopt(name, self._buffers[name][:, :, count:], self._length[name] - count)
+
+    def stack_rows(self, other: SlackLayer, width: int) -> None:
+        """This layer's rows, then `other`'s, each left-padded with zeros to `width` columns."""
+        for name in self._buffers:
+            mine, theirs = self._view(name), other._view(name)
+            rows = mine.shape[0] + theirs.shape[0]
+            buf = mine.new_zeros((rows, mine.shape[1], width + spare_columns(width), mine.shape[3]))
+            buf[: mine.shape[0], :, width - mine.shape[2] : width] = mine
+            buf[mine.shape[0] :, :, width - theirs.shape[2] : width] = theirs
+            self._adopt(name, buf, width)
+
+
+def new_cache(config) -> DynamicCache:
+    """A DynamicCache for `config` whose full-attention layers are SlackLayers (sliding-window
+    and other layer kinds stay transformers' own)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [SlackLayer() if type(x) is DynamicLayer else x for x in cache.layers]
+    if cache.layer_class_to_replicate is DynamicLayer:  # layers made on first use
+        cache.layer_class_to_replicate = SlackLayer
+    return cache
+
+
+def can_join(cache: DynamicCache) -> bool:
+    """Whether rows of caches like this one can be stacked and trimmed (plain full attention:
+    every layer a SlackLayer)."""
+    return all(isinstance(layer, SlackLayer) for layer in cache.layers)
 
 
 @dataclass
@@ -22,7 +110,7 @@ class RunningBatch:
     """The rows decoded together: row i of every tensor and of the cache belongs to seqs[i]."""
 
     seqs: list  # model_runner.Sequence (not imported: model_runner imports this module)
-    cache: object  # transformers DynamicCache
+    cache: DynamicCache  # from new_cache
     attention_mask: torch.Tensor  # [B, L] long, 0 on left padding
     positions: torch.Tensor  # [B] position id of each row's pending (last sampled) token
     last_tokens: torch.Tensor  # [B]
@@ -30,23 +118,19 @@ class RunningBatch:
 
 
 def merge_batches(a: RunningBatch, b: RunningBatch) -> RunningBatch:
-    """Concatenate two batches along rows, left-padding the shorter cache with masked zeros."""
+    """Stack two batches' rows (caches that `can_join`), left-padding the shorter with masked
+    zeros."""
     width = max(a.attention_mask.shape[1], b.attention_mask.shape[1])
-
-    def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-        missing = width - t.shape[-dim_from_end]
-        if missing == 0:
-            return t
-        spec = [0, 0] * (dim_from_end - 1) + [missing, 0]
-        return F.pad(t, spec)
-
     for la, lb in zip(a.cache.layers, b.cache.layers):
-        la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)])
-        la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)])
+        la.stack_rows(lb, width)
+
+    def pad(mask: torch.Tensor) -> torch.Tensor:
+        return F.pad(mask, [width - mask.shape[1], 0])
+
     return RunningBatch(
         seqs=a.seqs + b.seqs,
         cache=a.cache,
-        attention_mask=torch.cat([pad(a.attention_mask, 1), pad(b.attention_mask, 1)]),
+        attention_mask=torch.cat([pad(a.attention_mask), pad(b.attention_mask)]),
         positions=torch.cat([a.positions, b.positions]),
         last_tokens=torch.cat([a.last_tokens, b.last_tokens]),
     )
@@ -54,7 +138,7 @@ def merge_batches(a: RunningBatch, b: RunningBatch) -> RunningBatch:
 
 def keep_rows(batch: RunningBatch, keep_list: list[int], trim_padding: bool) -> RunningBatch:
     """The batch with only rows `keep_list` (its cache is narrowed in place). With
-    `trim_padding` (plain full-attention caches only), columns that are padding for every
+    `trim_padding` (caches that `can_join` only), columns that are padding for every
     remaining row are dropped too, so a long finished prompt stops costing attention."""
     keep = torch.tensor(keep_list, device=batch.attention_mask.device)
     mask = batch.attention_mask[keep]
@@ -62,8 +146,7 @@ def keep_rows(batch: RunningBatch, keep_list: list[int], trim_padding: bool) -> 
     batch.cache.batch_select_indices(keep)
     if start > 0:  # drop columns that are padding for every remaining row
         for layer in batch.cache.layers:
-            layer.keys = layer.keys[:, :, start:]
-            layer.values = layer.values[:, :, start:]
+            layer.drop_leading_columns(start)
     return RunningBatch(
         seqs=[batch.seqs[i] for i in keep_list],
         cache=batch.cache,

@@ -1,6 +1,6 @@
 """The model side of the embedded server: a HF causal LM decoded in a continuously batched loop.
 
-Rows are left-padded and share one DynamicCache. New requests are prefilled together (a prompt
+Rows are left-padded and share one KV cache (`kv_batch.new_cache`). New requests are prefilled together (a prompt
 that several of them share, once), then their cache is left-padded to the running cache's
 length and concatenated along the batch axis, so they join the very next decoding step;
 finished rows are dropped from the cache at once.
@@ -22,8 +22,10 @@ import torch
 
 from arealite.server.kv_batch import (
     RunningBatch,
+    can_join,
     keep_rows,
     merge_batches,
+    new_cache,
     repeat_rows,
     unique_prompts,
 )
@@ -215,8 +217,6 @@ class ModelRunner:
         """Prefill `seqs` as one left-padded batch. Rows with the same prompt (a GRPO group's
         samples) are computed once and their cache rows copied: a group of 8 costs one prompt's
         prefill, which is most of a short rollout's compute."""
-        from transformers import DynamicCache
-
         shareable = self._mergeable and not self.accepts_images  # plain text caches only
         unique, row_of = unique_prompts(seqs) if shareable else (seqs, None)
         lens = [len(s.req.input_ids) for s in unique]
@@ -230,16 +230,14 @@ class ModelRunner:
         positions, next_positions, extra = self._prefill_inputs(unique, ids, mask)
         batch = RunningBatch(
             seqs=unique,
-            cache=DynamicCache(config=self.model.config),
+            cache=new_cache(self.model.config),
             attention_mask=mask,
             positions=next_positions,
             last_tokens=ids[:, -1],
         )
         logits = self._forward(batch, ids, positions, **extra)
         if self._mergeable is None:
-            from transformers.cache_utils import DynamicLayer
-
-            self._mergeable = all(type(layer) is DynamicLayer for layer in batch.cache.layers)
+            self._mergeable = can_join(batch.cache)
         if row_of is not None:
             row_of = row_of.to(self.device)
             batch, logits = repeat_rows(batch, seqs, row_of), logits[row_of]

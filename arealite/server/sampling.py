@@ -87,8 +87,8 @@ def sample_next_tokens(
     else:
         candidates = _truncate_top_k_top_p(scaled, st) if st.any_top_k or st.any_top_p else scaled
         probs = candidates.softmax(dim=-1)
-        # Exponential race (Gumbel-max equivalent): one kernel, no renormalisation needed.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        # Exponential race (Gumbel-max equivalent): no renormalisation needed.
+        noise = exponential_noise(probs.shape, generator, probs.device)
         if st.any_seeded:
             _seeded_noise(noise, st.seeds, positions)
         tokens = (probs / noise).argmax(dim=-1)
@@ -115,6 +115,13 @@ def top_logprobs(
     }
 
 
+def exponential_noise(shape, generator: torch.Generator | None, device) -> torch.Tensor:
+    """Exp(1) draws as -log(1 - U): on a CPU 6x faster than `exponential_` (80 vs 460 us for
+    48 x 638, ~9% of a long_sums decoding step), the same distribution."""
+    uniform = torch.rand(shape, generator=generator, device=device)
+    return uniform.neg_().log1p_().neg_()
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -134,5 +141,6 @@ def _seeded_noise(noise: torch.Tensor, seeds, positions: list[int] | None) -> No
     for i, (seed, pos) in enumerate(zip(seeds, positions)):
         if seed is not None:
             g = torch.Generator().manual_seed(_mix(seed, pos))
-            row = torch.empty(noise.shape[-1], dtype=noise.dtype).exponential_(generator=g)
-            noise[i] = row.to(noise.device)
+            noise[i] = exponential_noise((noise.shape[-1],), g, torch.device("cpu")).to(
+                noise.device
+            )

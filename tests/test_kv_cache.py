@@ -1,0 +1,83 @@
+"""The embedded server's KV cache layer with spare columns (server/kv_batch.py `SlackLayer`):
+through appends that outgrow its buffer, row selection, dropped leading columns and stacked
+batches it holds exactly what transformers' DynamicLayer holds, and its decoding steps write in
+place."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
+
+from arealite.server.kv_batch import SlackLayer, can_join, new_cache, spare_columns
+
+
+def kv(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, 2, cols, 4, generator=gen), torch.randn(
+        rows, 2, cols, 4, generator=gen
+    )
+
+
+def same(slack: SlackLayer, plain: DynamicLayer) -> None:
+    torch.testing.assert_close(slack.keys, plain.keys, rtol=0, atol=0)
+    torch.testing.assert_close(slack.values, plain.values, rtol=0, atol=0)
+    assert slack.get_seq_length() == plain.get_seq_length()
+
+
+def test_slack_layer_matches_dynamic_layer_through_growth_and_surgery():
+    gen = torch.Generator().manual_seed(0)
+    slack, plain = SlackLayer(), DynamicLayer()
+    prefill = kv(3, 5, gen)
+    for layer in (slack, plain):
+        layer.update(*prefill)
+    same(slack, plain)
+    for _ in range(60):  # 5 + 60 columns: outgrows 5 + spare_columns(5) at least once
+        step = kv(3, 1, gen)
+        k, v = slack.update(*step)
+        plain.update(*step)
+        torch.testing.assert_close(k, plain.keys, rtol=0, atol=0)
+    same(slack, plain)
+    rows = torch.tensor([2, 0, 0])  # a kept row and a repeated one
+    for layer in (slack, plain):
+        layer.batch_select_indices(rows)
+    same(slack, plain)
+    slack.drop_leading_columns(3)
+    plain.keys, plain.values = plain.keys[:, :, 3:], plain.values[:, :, 3:]
+    same(slack, plain)
+    other_s, other_p = SlackLayer(), DynamicLayer()
+    joining = kv(2, 70, gen)  # wider than the running rows: they are the ones padded
+    other_s.update(*joining)
+    other_p.update(*joining)
+    slack.stack_rows(other_s, 70)
+    padded = [F.pad(t, [0, 0, 70 - t.shape[2], 0]) for t in (plain.keys, plain.values)]
+    plain.keys = torch.cat([padded[0], other_p.keys])
+    plain.values = torch.cat([padded[1], other_p.values])
+    same(slack, plain)
+    step = kv(5, 1, gen)
+    slack.update(*step)
+    plain.update(*step)
+    same(slack, plain)
+
+
+def test_a_decoding_step_writes_into_the_buffer_it_already_has():
+    gen = torch.Generator().manual_seed(1)
+    layer = SlackLayer()
+    layer.update(*kv(4, 10, gen))
+    buffer = layer.keys.untyped_storage().data_ptr()
+    for _ in range(spare_columns(10)):  # exactly the spare columns: no new buffer
+        layer.update(*kv(4, 1, gen))
+    assert layer.keys.untyped_storage().data_ptr() == buffer
+    layer.update(*kv(4, 1, gen))  # one more: it grows
+    assert layer.keys.untyped_storage().data_ptr() != buffer
+    assert layer.get_seq_length() == 11 + spare_columns(10)
+
+
+def test_new_cache_uses_slack_layers_for_full_attention_only(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert can_join(new_cache(config))
+    config.layer_types = ["sliding_attention"] + config.layer_types[1:]
+    config.sliding_window = 8
+    hybrid = new_cache(config)
+    assert not can_join(hybrid) and isinstance(hybrid.layers[1], SlackLayer)
