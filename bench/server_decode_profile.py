@@ -3,7 +3,8 @@ one batch of long_sums prompts (every row sampled at T 1 until it stops, as in a
 then one profiled stretch of steps with the top operators by self CPU time (and CUDA time on a
 GPU). Prints ms per step against the rows still running, and tokens/s.
 
-    python bench/server_decode_profile.py MODEL_PATH [--rows 64] [--device cuda] [--max-new 320]
+    python bench/server_decode_profile.py MODEL_PATH [--rows 64] [--device cuda] [--dtype float32]
+        [--max-new 320]
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8, help="rows per distinct prompt")
     p.add_argument("--max-new", type=int, default=320)
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="the server's `server.dtype`")
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--table-out", default=None, help="write the profiler tables here, not stdout")
     args = p.parse_args()
     emit_machine()
-    runner = ModelRunner(args.model_path, device=args.device)
+    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device)
     decode_all(runner, requests(runner, min(args.rows, 8), 8, args.samples))  # warm-up
     steps = decode_all(runner, requests(runner, args.rows, args.max_new, args.samples))
     decode = steps[1:]

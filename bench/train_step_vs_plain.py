@@ -13,7 +13,8 @@ Figures (one JSON line per case, ratio last):
 Cases: (a) the tiny ~5M Qwen2, 32 sequences of 17..33 tokens (4 prompts x 8 samples, up to 16
 new tokens); (b) a ~50M Qwen2, 16 sequences with lengths uniform over 64..512; (g) the demo's
 GRPO batch: 2.5M Qwen2, 16 prompts x 8 samples sharing their 14-token prompt, 1..8 new tokens
-(the trainer computes each shared prompt once, `actor.share_prompts`; the plain step pads). Both systems
+(the trainer computes each shared prompt once, `actor.share_prompts`; the plain step pads). (l) long_sums' GRPO batch: the same model, 8 prompts x 8 samples, 20-token prompts, answers of
+14..249 tokens. Both systems
 alternate within one process (median over rounds) because the machine is shared and noisy.
 `--profile` adds a torch.profiler breakdown of one arealite step (top ops by self CPU time).
 
@@ -43,6 +44,11 @@ CASES = {
     # group shares, answers of 1..8 tokens
     "g": dict(
         hidden=256, layers=4, inter=512, heads=4, kv=2, n=128, lo=15, hi=22, prompt=14, group=8
+    ),
+    # long_sums' GRPO batch: the same model, 8 prompts x 8 samples, ~20-token prompts, answers
+    # of 14..249 tokens (~6.7k tokens a step, as in its runs)
+    "l": dict(
+        hidden=256, layers=4, inter=512, heads=4, kv=2, n=64, lo=34, hi=269, prompt=20, group=8
     ),
 }
 
@@ -175,7 +181,7 @@ def print_profile(name: str, step) -> None:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     print(f"# profile of one arealite step, case {name} (self CPU time)\n{table}", flush=True)
 
 

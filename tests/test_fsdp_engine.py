@@ -130,6 +130,23 @@ def test_varlen_groups_equal_a_per_sequence_loop():
     assert len(plan_groups((25,) * 32)) == 1  # short, similar lengths: one call
 
 
+def test_varlen_attention_of_a_bf16_model_on_cpu_computes_in_fp32():
+    """hardware.attention_dtype: bf16 inputs attend in fp32 (the CPU kernel's fast dtype) and
+    come back bf16, equal to fp32 attention over the same values rounded once."""
+    from arealite.engine.varlen_attention import sdpa_varlen_attention
+
+    lens = [40, 7, 130]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, sum(lens), 16, generator=g).bfloat16() for h in (8, 4, 4))
+    out = sdpa_varlen_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu)[0]
+    assert out.dtype == torch.bfloat16
+    want = sdpa_varlen_attention(
+        torch.nn.Module(), q.float(), k.float(), v.float(), None, cu_seq_lens_q=cu
+    )[0]
+    torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+
+
 def grouped_batch(n_prompts: int = 3, n_samples: int = 4, seed: int = 7):
     """GRPO-shaped rows: n_samples responses (own lengths) after each of n_prompts prompts."""
     from arealite.utils.data import pad_sequences_to_tensors

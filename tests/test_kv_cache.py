@@ -81,3 +81,42 @@ def test_new_cache_uses_slack_layers_for_full_attention_only(tiny_model_dir):
     config.sliding_window = 8
     hybrid = new_cache(config)
     assert not can_join(hybrid) and isinstance(hybrid.layers[1], SlackLayer)
+
+
+def test_a_bf16_model_on_cpu_attends_in_fp32_over_an_fp32_cache(tiny_model_dir):
+    """server/cpu_attention.py: a bf16 model served on CPU keeps bf16 weights, an fp32 KV cache
+    and fp32 attention; its sampled logprobs match a teacher-forced forward of the same bf16
+    weights with the same attention, through a cache that grows mid-decode."""
+    from transformers import AutoModelForCausalLM
+
+    from arealite.server import cpu_attention
+    from arealite.server.model_runner import ModelRunner
+    from arealite.server.protocol import GenerateRequest, SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, dtype="bfloat16", device="cpu")
+    assert runner.kv_dtype == torch.float32
+    assert runner.model.config._attn_implementation == cpu_attention.NAME
+    assert runner.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ref = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.bfloat16, attn_implementation=cpu_attention.NAME
+    ).eval()
+
+    def seq(ids, n):
+        params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+        return runner.new_sequence(GenerateRequest(rid=str(ids), input_ids=ids, params=params))
+
+    done = []
+    with torch.inference_mode():
+        done += runner.step([seq([5, 6, 7], 40), seq(list(range(10, 30)), 6)])
+        layer = runner.batch.cache.layers[0]
+        assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32
+        while runner.num_running:
+            done += runner.step([])
+        for s in done:
+            ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
+            logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :].float()
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
+            # bf16 matmuls over other shapes round differently: bf16's tolerance, not 0
+            torch.testing.assert_close(
+                torch.tensor(s.output_logprobs), want[:, 0], atol=0.01, rtol=0
+            )

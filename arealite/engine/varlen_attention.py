@@ -12,8 +12,8 @@ it, all real), so padding costs compute, never correctness. The grouping minimis
 model: per call a fixed overhead, per sequence its padded length and its square (a DP over
 the sorted lengths; cached per length profile). 32 GRPO samples of ~25 tokens become one
 call instead of 32; lengths spread over 64..512 become a few calls of similar lengths. On
-CPU short groups use the math kernel, whose backward is several times faster than the CPU
-flash kernel's below ~128 tokens. Registered with transformers' AttentionInterface under
+CPU attention runs in fp32 (`hardware.attention_dtype`) with the flash kernel, faster there
+than the math kernel at every length measured. Registered with transformers' AttentionInterface under
 this name; `attn_impl: sdpa_varlen` selects it. A row holding each shared prompt once
 (packing.SharedPrompts) comes with its plan attached to `cu_seq_lens_q` (`_arealite_plan`).
 """
@@ -27,15 +27,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from arealite.utils.hardware import sdpa_without_cudnn
+from arealite.utils.hardware import attention_dtype, sdpa_without_cudnn
 
 NAME = "sdpa_varlen"
 
 # Cost model of one sdpa call over n sequences padded to M (units: attention pairs).
 CALL_OVERHEAD = 128 * 128
 PER_TOKEN = 64
-# On CPU, groups up to this padded length use the math kernel (faster backward).
-CPU_MATH_MAX_LEN = 128
 
 
 def group_cost(n: int, longest: int) -> int:
@@ -134,18 +132,20 @@ def sdpa_varlen_attention(
         packed_lengths(cu_seq_lens_q), query.device
     )
     # [T, H, D] token-major views: a group's rows are one index_select away.
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    compute_dtype = attention_dtype(query.dtype, query.device.type)
+    q, k, v = (x[0].transpose(0, 1).to(compute_dtype) for x in (query, key, value))
     dropout_p = dropout if module.training else 0.0
     outs = []
-    for index, emit, longest in groups:
+    for index, emit, _longest in groups:
         qg, kg, vg = (_rows(x, index).transpose(1, 2) for x in (q, k, v))  # [n, H, M, D]
-        with _kernel_for(query.device, longest):
+        with _kernel_for(query.device):
             og = F.scaled_dot_product_attention(
                 qg, kg, vg, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=True
             )
         outs.append(_rows(og.transpose(1, 2).flatten(0, 1), emit))  # kept tokens, [sum L, H, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return (out if inverse is None else _rows(out, inverse))[None], None
+    out = out if inverse is None else _rows(out, inverse)
+    return out.to(query.dtype)[None], None
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -155,9 +155,9 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
-def _kernel_for(device: torch.device, longest: int):
-    if device.type == "cpu" and longest <= CPU_MATH_MAX_LEN:
-        return sdpa_kernel(SDPBackend.MATH)
+def _kernel_for(device: torch.device):
+    if device.type == "cpu":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
     return sdpa_without_cudnn()
 
 

@@ -166,6 +166,7 @@ class ServerSetup:
     max_batch_size: int
     mem_fraction: float
     device_bytes: float | None
+    kv_dtype_bytes: int  # the embedded server on CPU keeps its KV in fp32 (server/cpu_attention.py)
 
 
 def server_terms(shape: ModelShape, s: ServerSetup) -> dict[str, float]:
@@ -173,9 +174,9 @@ def server_terms(shape: ModelShape, s: ServerSetup) -> dict[str, float]:
     pool: what its static fraction leaves after the weights; the embedded server's: its batch
     of whole sequences with their spare columns), and 'peak'."""
     weights = shape.params * s.dtype_bytes / s.tp
-    kv_token = shape.kv_bytes_per_token(s.dtype_bytes) / s.tp
     if s.backend == "local":
         # each row's KV buffer has a quarter more columns (>= 32): server/kv_batch.py
+        kv_token = shape.kv_bytes_per_token(s.kv_dtype_bytes) / s.tp
         kv = s.max_batch_size * (s.seq_len + max(32, s.seq_len // 4)) * kv_token
         work = s.max_batch_size * shape.vocab * 4 * 2  # a decode step's fp32 logits
         t = {"weights": weights, "kv": kv, "work": work, "runtime": RUNTIME_GIB * GIB}
@@ -184,6 +185,7 @@ def server_terms(shape: ModelShape, s: ServerSetup) -> dict[str, float]:
     fraction = VLLM_GPU_FRACTION if s.backend == "vllm" else s.mem_fraction
     static = fraction * (s.device_bytes or 0.0)
     runtime = 0.0 if s.backend == "vllm" else RUNTIME_GIB * GIB  # outside SGLang's fraction
+    kv_token = shape.kv_bytes_per_token(s.dtype_bytes) / s.tp
     t = {"weights": weights, "kv": max(0.0, static - weights), "runtime": runtime}
     t["peak"] = max(static, weights) + runtime
     t["kv_tokens"] = t["kv"] / kv_token
@@ -260,22 +262,32 @@ def server_setup(config, device_bytes: float | None) -> ServerSetup | None:
     if getattr(config, "server", None) is None or alloc.gen is None:
         return None
     cuda = config.cluster.n_gpus_per_node > 0
+    dtype = dtype_bytes(config.server.dtype, cuda)
     return ServerSetup(
         backend=alloc.gen_backend,
-        dtype_bytes=dtype_bytes(config.server.dtype, cuda),
+        dtype_bytes=dtype,
         tp=alloc.gen.tensor_parallel_size,
         seq_len=sequence_tokens(config),
         max_batch_size=config.server.max_batch_size,
         mem_fraction=config.server.mem_fraction_static,
         device_bytes=device_bytes,
+        kv_dtype_bytes=dtype if cuda else DTYPE_BYTES["float32"],
     )
 
 
 def colocated_setup(config, cuda: bool) -> ServerSetup:
     """A trainer rank's in-process generator (colocated+...): the embedded server's terms."""
     dtype = dtype_bytes(config.server.dtype, cuda)
+    kv_dtype = dtype if cuda else DTYPE_BYTES["float32"]
     return ServerSetup(
-        "local", dtype, 1, sequence_tokens(config), config.server.max_batch_size, 0.0, None
+        "local",
+        dtype,
+        1,
+        sequence_tokens(config),
+        config.server.max_batch_size,
+        0.0,
+        None,
+        kv_dtype,
     )
 
 

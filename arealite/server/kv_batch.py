@@ -10,6 +10,7 @@ Rows that share a prompt are prefilled once and repeated (`unique_prompts`, `rep
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +32,13 @@ class SlackLayer(DynamicLayer):
     buffers with spare columns: a decoding step writes its token in place, where DynamicLayer
     concatenates (copies) the whole cache of every layer every step. Assigning `keys` /
     `values` (transformers' own surgery) adopts the tensor as a buffer without spare columns;
-    the next update grows it."""
+    the next update grows it. `kv_dtype`: the dtype the buffers hold (None: the model's), fp32
+    where attention computes in fp32 (`server.cpu_attention`)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, kv_dtype: torch.dtype | None = None, **kwargs):
         self._buffers: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
         self._length = {"keys": 0, "values": 0}
+        self.kv_dtype = kv_dtype
         super().__init__(**kwargs)
 
     def _view(self, name: str) -> torch.Tensor | None:
@@ -54,7 +57,8 @@ class SlackLayer(DynamicLayer):
         buf, start = self._buffers[name], self._length[name]
         end = start + new.shape[-2]
         if buf is None or buf.dim() < 4 or end > buf.shape[-2]:
-            grown = new.new_empty((*new.shape[:2], end + spare_columns(end), new.shape[-1]))
+            shape = (*new.shape[:2], end + spare_columns(end), new.shape[-1])
+            grown = new.new_empty(shape, dtype=self.kv_dtype or new.dtype)
             if start:
                 grown[:, :, :start] = buf[:, :, :start]
             buf = grown
@@ -89,13 +93,14 @@ class SlackLayer(DynamicLayer):
             self._adopt(name, buf, width)
 
 
-def new_cache(config) -> DynamicCache:
-    """A DynamicCache for `config` whose full-attention layers are SlackLayers (sliding-window
-    and other layer kinds stay transformers' own)."""
+def new_cache(config, kv_dtype: torch.dtype | None = None) -> DynamicCache:
+    """A DynamicCache for `config` whose full-attention layers are SlackLayers holding
+    `kv_dtype` (sliding-window and other layer kinds stay transformers' own)."""
     cache = DynamicCache(config=config)
-    cache.layers = [SlackLayer() if type(x) is DynamicLayer else x for x in cache.layers]
+    slack = functools.partial(SlackLayer, kv_dtype=kv_dtype)
+    cache.layers = [slack() if type(x) is DynamicLayer else x for x in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # layers made on first use
-        cache.layer_class_to_replicate = SlackLayer
+        cache.layer_class_to_replicate = slack
     return cache
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arealite.server import cpu_attention
 from arealite.server.kv_batch import (
     RunningBatch,
     can_join,
@@ -31,7 +32,7 @@ from arealite.server.kv_batch import (
 )
 from arealite.server.protocol import GenerateRequest
 from arealite.server.sampling import SamplingTensors, sample_next_tokens, top_logprobs
-from arealite.utils.hardware import resolve_dtype, sdpa_without_cudnn
+from arealite.utils.hardware import attention_dtype, resolve_dtype, sdpa_without_cudnn
 
 logger = logging.getLogger("arealite.server")
 
@@ -117,9 +118,12 @@ class ModelRunner:
         self.model_path = model_path
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = server_dtype(dtype, self.device)
+        # bf16 on CPU: attention and the KV cache in fp32, the rest bf16 (server.cpu_attention).
+        self.kv_dtype = attention_dtype(self.dtype, self.device.type)
+        attn = {} if self.kv_dtype == self.dtype else {"attn_implementation": cpu_attention.NAME}
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         auto_cls = getattr(transformers, self.auto_model_class)
-        self.model = auto_cls.from_pretrained(model_path, dtype=self.dtype)
+        self.model = auto_cls.from_pretrained(model_path, dtype=self.dtype, **attn)
         self.model.to(self.device).eval()
         # transformers renamed the forward's `past_key_values` to `cache` (the old name warns).
         forward_args = inspect.signature(self.model.forward).parameters
@@ -230,7 +234,7 @@ class ModelRunner:
         positions, next_positions, extra = self._prefill_inputs(unique, ids, mask)
         batch = RunningBatch(
             seqs=unique,
-            cache=new_cache(self.model.config),
+            cache=new_cache(self.model.config, self.kv_dtype),
             attention_mask=mask,
             positions=next_positions,
             last_tokens=ids[:, -1],

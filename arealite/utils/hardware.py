@@ -12,6 +12,10 @@ import functools
 import logging
 import os
 import platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("arealite.hardware")
 
@@ -109,6 +113,18 @@ def resolve_dtype(name: str, device_type: str, what: str = "compute") -> str:
         _logged.add((what, device_type, chosen))
         logger.info("%s dtype auto -> %s on %s: %s", what, chosen, device_type, why)
     return chosen
+
+
+def attention_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype attention computes in: at least fp32 on CPU, since torch's CPU flash kernel
+    runs 1.1-2.6x slower in bf16 than in fp32 (forward + backward, 25-270 tokens, on
+    AVX512-BF16 and AVX2 alike) and its math kernel is slower still in fp32 (docs/guide.md,
+    "Trainer speed"); the model's own dtype elsewhere."""
+    import torch
+
+    if device_type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
 
 
 def sdpa_without_cudnn():
