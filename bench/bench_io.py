@@ -105,6 +105,19 @@ def eval_curve(recs: list[dict]) -> list[tuple]:
     return evals
 
 
+def training_clock_curve(recs: list[dict]) -> list[tuple]:
+    """`eval_curve` against the training clock: each evaluation's wall time less the seconds
+    every evaluation so far took (`timeperf/eval`, its own included). Evaluations stall the
+    trainer for different times in different arms (an asynchronous run's shares the server with
+    in-flight rollouts), so time to an accuracy is reported on both clocks."""
+    spent, curve = 0.0, [(0.0, 0, recs[0].get("eval/accuracy_before_training"))]
+    for r in recs:
+        spent += r.get("timeperf/eval", 0.0)
+        if r.get("eval/accuracy") is not None:
+            curve.append((r["wall_time"] - spent, r["step"] + 1, r["eval/accuracy"]))
+    return curve
+
+
 def rate(amount: float, wall: list[float]) -> float | None:
     """`amount` per second of wall time between the first and last record (None below two)."""
     return round(amount / (wall[-1] - wall[0]), 4) if len(wall) > 1 else None
@@ -123,6 +136,8 @@ def run_figures(recs: list[dict], decoupled: bool) -> dict:
         "steps": len(recs),
         "steps_per_s": rate(len(recs) - 1, [r["wall_time"] for r in recs]),
         "accuracy_curve": [[round(t, 1), s, a] for t, s, a in evals],
+        "training_clock_curve": [[round(t, 1), s, a] for t, s, a in training_clock_curve(recs)],
+        "eval_s": round(sum(r.get("timeperf/eval", 0.0) for r in recs), 1),
         "acc_before": evals[0][2],
         "acc_end": evals[-1][2],
         "behave_kl_k1": mean_of(later, kl_key, sign),

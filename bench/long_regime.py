@@ -18,7 +18,9 @@ each for `--budget` seconds of wall clock at a constant lr, with the config's he
 
 Parts (`--parts a,b,c`):
   a. async (eta 1, 2, 4, 8) vs synchronous (eta 0), all decoupled with one minibatch: steps/s
-     and time to `--target` held-out accuracy, ratios sync / async per seed;
+     and time to `--target` held-out accuracy, ratios sync / async per seed, on the wall clock
+     and on the training clock (less the evaluations' own seconds, `timeperf/eval`: they stall
+     the trainer, for longer in an asynchronous run, whose server also serves rollouts);
   b. TRL's GRPOTrainer (bench/vs_trl.py, same batch, lr, max length, warm start) vs arealite
      (this config and its server, plus `--arealite-args`) for `--trl-minutes`: time to TRL's
      final accuracy as a fraction of TRL's time, per seed (TRL's clock leaves out its own
@@ -161,6 +163,9 @@ def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:
         ),
         "target": target,
         "time_to_target_s": hit[0],
+        "time_to_target_training_clock_s": first_reaching(
+            bench_io.training_clock_curve(recs), target
+        )[0],
         "steps_to_target": hit[1],
         "imp_weight_std": bench_io.mean_of(
             later, "behave_imp_weight_std" if decoupled else "importance_weight_std"
@@ -187,7 +192,7 @@ def run(arm: str, seed: int, model: str, args, done: dict) -> dict:
         done[key] = summarize_run(arm, seed, recs, args)
         with open(os.path.join(args.workdir, "results.jsonl"), "a") as f:
             f.write(json.dumps(done[key]) + "\n")
-        emit("run", **{k: v for k, v in done[key].items() if k != "accuracy_curve"})
+        emit("run", **{k: v for k, v in done[key].items() if not k.endswith("_curve")})
     return done[key]
 
 
@@ -208,6 +213,9 @@ def async_vs_sync(results: list[dict], levels: list[float]) -> None:
         for level in levels:
             ts, ta = (first_reaching(x["accuracy_curve"], level)[0] for x in (base, r))
             by_level[str(level)] = {"sync_s": ts, "async_s": ta, "async_over_sync": _ratio(ta, ts)}
+            if "training_clock_curve" in r and "training_clock_curve" in base:
+                ts, ta = (first_reaching(x["training_clock_curve"], level)[0] for x in (base, r))
+                by_level[str(level)]["training_clock"] = _ratio(ta, ts)
         emit(
             "async_vs_sync",
             eta=r["eta"],
@@ -217,8 +225,13 @@ def async_vs_sync(results: list[dict], levels: list[float]) -> None:
             sync_time_to_target_s=t_sync,
             async_time_to_target_s=t_async,
             time_ratio_sync_over_async=_ratio(t_sync, t_async),
+            training_clock_ratio=_ratio(
+                base.get("time_to_target_training_clock_s"),
+                r.get("time_to_target_training_clock_s"),
+            ),
             async_time_fraction_by_level=by_level,
             steps_per_s_ratio=_ratio(r["steps_per_s"], base["steps_per_s"]),
+            eval_s=(r.get("eval_s"), base.get("eval_s")),
             tokens_per_s_ratio=_ratio(r["tokens_per_s"], base["tokens_per_s"]),
             within_half=bool(t_async and (t_sync is None or t_async <= t_sync / 2)),
         )

@@ -45,6 +45,7 @@ def test_a_run_summary_reads_the_regime_and_the_target():
             "rollout/server_busy_frac": 0.9,
             "rollout/interrupted_requests": 5.0,
             "eval/accuracy": 0.35,
+            "timeperf/eval": 1.5,
         },
         {
             "step": 2,
@@ -66,6 +67,9 @@ def test_a_run_summary_reads_the_regime_and_the_target():
     assert gained["target"] == 0.4 and gained["time_to_target_s"] is None  # 0.2 + 0.2 not reached
     assert s["steps_per_s"] == 0.5 and s["tokens_per_s"] == 200.0  # steps 1.. over 4 s
     assert s["time_to_target_s"] == 12.0 and s["steps_to_target"] == 2
+    # the training clock leaves out the evaluation's own 1.5 s
+    assert s["time_to_target_training_clock_s"] == 10.5 and s["eval_s"] == 1.5
+    assert s["training_clock_curve"][1] == [10.5, 2, 0.35]
     assert s["gen_len_p50"] == 50.0 and s["server_busy_frac"] == 0.8
     assert s["behave_kl_k1"] == 0.02 and s["imp_weight_std"] == 0.2
     assert s["capped_frac"] == pytest.approx(0.02) and s["interrupted_requests"] == 12.0

@@ -140,6 +140,8 @@ def test_async_grpo_metrics_every_step(async_run):
     assert max(r["staleness_max"] for r in records) >= 1
     assert "eval/accuracy_before_training" in records[0]
     assert all(0.0 <= records[s]["eval/accuracy"] <= 1.0 for s in (1, 2))
+    # what each evaluation cost the wall clock, logged on the steps that evaluated
+    assert all(records[s]["timeperf/eval"] > 0 for s in (1, 2))
 
 
 def test_async_grpo_logs_the_regime(async_run):

@@ -180,7 +180,12 @@ class GRPOTrainer:
             return {}
         epoch, step = divmod(global_step, self.run.ft_spec.steps_per_epoch)
         last = global_step == self.total_steps - 1
-        acc = self.evaluator.evaluate(self.evaluation.accuracy, epoch, step, global_step, last)
+
+        def accuracy() -> float:  # timeperf/eval: what evaluation costs the run's wall clock
+            with timings.record_timing("eval"):
+                return self.evaluation.accuracy()
+
+        acc = self.evaluator.evaluate(accuracy, epoch, step, global_step, last)
         stats = {} if acc is None else {"eval/accuracy": acc}
         if self.accuracy_before is not None and global_step == 0:
             stats["eval/accuracy_before_training"] = self.accuracy_before
