@@ -13,8 +13,8 @@ model: per call a fixed overhead, per sequence its padded length and its square 
 the sorted lengths; cached per length profile). 32 GRPO samples of ~25 tokens become one
 call instead of 32; lengths spread over 64..512 become a few calls of similar lengths. On
 CPU attention runs in fp32 (`hardware.attention_dtype`) with the flash kernel, faster there
-than the math kernel at every length measured. Registered with transformers' AttentionInterface under
-this name; `attn_impl: sdpa_varlen` selects it. A row holding each shared prompt once
+than the math kernel at every length measured. Registered with transformers'
+AttentionInterface under this name; `attn_impl: sdpa_varlen` selects it. A row holding each shared prompt once
 (packing.SharedPrompts) comes with its plan attached to `cu_seq_lens_q` (`_arealite_plan`).
 """
 

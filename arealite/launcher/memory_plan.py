@@ -278,16 +278,15 @@ def server_setup(config, device_bytes: float | None) -> ServerSetup | None:
 def colocated_setup(config, cuda: bool) -> ServerSetup:
     """A trainer rank's in-process generator (colocated+...): the embedded server's terms."""
     dtype = dtype_bytes(config.server.dtype, cuda)
-    kv_dtype = dtype if cuda else DTYPE_BYTES["float32"]
     return ServerSetup(
-        "local",
-        dtype,
-        1,
-        sequence_tokens(config),
-        config.server.max_batch_size,
-        0.0,
-        None,
-        kv_dtype,
+        backend="local",
+        dtype_bytes=dtype,
+        tp=1,
+        seq_len=sequence_tokens(config),
+        max_batch_size=config.server.max_batch_size,
+        mem_fraction=0.0,
+        device_bytes=None,
+        kv_dtype_bytes=dtype if cuda else DTYPE_BYTES["float32"],
     )
 
 
