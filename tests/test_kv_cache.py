@@ -1,7 +1,8 @@
-"""The embedded server's KV cache layer with spare columns (server/kv_batch.py `SlackLayer`):
-through appends that outgrow its buffer, row selection, dropped leading columns and stacked
-batches it holds exactly what transformers' DynamicLayer holds, and its decoding steps write in
-place."""
+"""The embedded server's KV cache layer with spare rows and columns (server/kv_batch.py
+`SlackLayer`): through appends that outgrow its buffer, row selection, dropped leading columns,
+stacked batches and rows replaced by the last ones it holds exactly what transformers'
+DynamicLayer holds; decoding steps, joins that fit and leaves write in place; and a runner whose
+rows join and leave mid-decode samples the logprobs of a teacher-forced forward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from arealite.server.kv_batch import SlackLayer, can_join, new_cache, spare_columns
+from arealite.server.kv_batch import (
+    SlackLayer,
+    can_join,
+    fill_holes,
+    new_cache,
+    spare_columns,
+    spare_rows,
+)
 
 
 def kv(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +78,88 @@ def test_a_decoding_step_writes_into_the_buffer_it_already_has():
     layer.update(*kv(4, 1, gen))  # one more: it grows
     assert layer.keys.untyped_storage().data_ptr() != buffer
     assert layer.get_seq_length() == 11 + spare_columns(10)
+
+
+def test_rows_join_into_free_rows_and_leave_by_moving_the_last_ones():
+    gen = torch.Generator().manual_seed(2)
+    slack, plain = SlackLayer(), DynamicLayer()
+    running = kv(3, 6, gen)
+    for layer in (slack, plain):
+        layer.update(*running)
+    first = SlackLayer()
+    first.update(*kv(2, 9, gen))  # wider: the running rows are re-laid out, with spare rows
+    plain_first = DynamicLayer()
+    plain_first.keys, plain_first.values = first.keys.clone(), first.values.clone()
+
+    def stack(joining_s, joining_p, width):
+        slack.stack_rows(joining_s, width)
+        pad = [F.pad(t, [0, 0, width - t.shape[2], 0]) for t in (plain.keys, plain.values)]
+        theirs = [
+            F.pad(t, [0, 0, width - t.shape[2], 0]) for t in (joining_p.keys, joining_p.values)
+        ]
+        plain.keys, plain.values = torch.cat([pad[0], theirs[0]]), torch.cat([pad[1], theirs[1]])
+
+    stack(first, plain_first, 9)
+    same(slack, plain)
+    assert slack._buffers["keys"].shape[0] == 5 + spare_rows(5)
+    buffer = slack.keys.untyped_storage().data_ptr()
+    narrow_s, narrow_p = SlackLayer(), DynamicLayer()
+    joining = kv(4, 4, gen)  # narrower and within the free rows: written in place
+    narrow_s.update(*joining)
+    narrow_p.update(*joining)
+    stack(narrow_s, narrow_p, 9)
+    same(slack, plain)
+    assert slack.keys.untyped_storage().data_ptr() == buffer
+    keep = [0, 2, 5, 7, 8]  # rows 1, 3, 4, 6 leave; 5, 7, 8 move into places 1, 3, 4
+    order = fill_holes(keep)
+    assert order == [0, 5, 2, 7, 8]
+    moved = [i for i, o in enumerate(order) if o != i]
+    slack.move_rows(torch.tensor([order[i] for i in moved]), torch.tensor(moved), len(order))
+    plain.batch_select_indices(torch.tensor(order))
+    same(slack, plain)
+    assert slack.keys.untyped_storage().data_ptr() == buffer
+    step = kv(5, 1, gen)
+    slack.update(*step)
+    plain.update(*step)
+    same(slack, plain)
+
+
+def test_rows_joining_and_leaving_mid_decode_keep_every_row_exact(tiny_model_dir):
+    """Rows of different prompt and answer lengths join a running fp32 batch at different
+    steps and leave as they finish (moved rows, joins into free rows, trimmed columns): every
+    finished row's logprobs are a teacher-forced forward's."""
+    from transformers import AutoModelForCausalLM
+
+    from arealite.server.model_runner import ModelRunner
+    from arealite.server.protocol import GenerateRequest, SamplingParams
+
+    runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def seq(i, prompt_len, n):
+        params = SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True)
+        ids = [(7 * i + j) % 50 + 5 for j in range(prompt_len)]
+        return runner.new_sequence(GenerateRequest(rid=str(i), input_ids=ids, params=params))
+
+    joining = {
+        0: [seq(0, 3, 30), seq(1, 12, 4), seq(2, 5, 9)],
+        2: [seq(3, 20, 6)],
+        5: [seq(4, 2, 25), seq(5, 4, 3), seq(6, 6, 12)],
+        11: [seq(7, 3, 8), seq(8, 9, 2)],
+    }
+    done, step = [], 0
+    with torch.inference_mode():
+        while step <= max(joining) or runner.num_running:
+            done += runner.step(joining.get(step, []))
+            step += 1
+        assert len(done) == 9
+        for s in done:
+            ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
+            logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :]
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
+            torch.testing.assert_close(
+                torch.tensor(s.output_logprobs), want[:, 0], atol=1e-4, rtol=0
+            )
 
 
 def test_new_cache_uses_slack_layers_for_full_attention_only(tiny_model_dir):

@@ -16,7 +16,8 @@ P parameters sharded over the dp x tp ranks (FSDP2 over dp, DTensor tensor paral
 The peak is weights + optimizer + runtime + max(activations + logits, grads + the optimizer
 step's temporaries): the saved activations are freed as the gradients fill. The server holds
 SGLang's `server.mem_fraction_static` (weights + KV pool), vLLM's 0.9, or the embedded server's
-weights and a KV cache of `server.max_batch_size` whole sequences and their spare columns.
+weights and a KV cache of `server.max_batch_size` whole sequences and their spare rows and
+columns.
 Checked against measured peak RSS on CPU (bench/memory_plan.py, tests/test_memory_plan.py); on a GPU the CUDA context and the
 caching allocator add `RUNTIME_GIB`.
 """
@@ -172,12 +173,14 @@ class ServerSetup:
 def server_terms(shape: ModelShape, s: ServerSetup) -> dict[str, float]:
     """Bytes of one server's share of one of its GPUs: weights and KV cache ('kv' is SGLang's
     pool: what its static fraction leaves after the weights; the embedded server's: its batch
-    of whole sequences with their spare columns), and 'peak'."""
+    of whole sequences with their spare rows and columns), and 'peak'."""
     weights = shape.params * s.dtype_bytes / s.tp
     if s.backend == "local":
-        # each row's KV buffer has a quarter more columns (>= 32): server/kv_batch.py
+        # a quarter more rows (>= 8) and columns (>= 32): server/kv_batch.py's spare_rows /
+        # spare_columns (not imported: the launcher stays free of torch)
         kv_token = shape.kv_bytes_per_token(s.kv_dtype_bytes) / s.tp
-        kv = s.max_batch_size * (s.seq_len + max(32, s.seq_len // 4)) * kv_token
+        rows = s.max_batch_size + max(8, s.max_batch_size // 4)
+        kv = rows * (s.seq_len + max(32, s.seq_len // 4)) * kv_token
         work = s.max_batch_size * shape.vocab * 4 * 2  # a decode step's fp32 logits
         t = {"weights": weights, "kv": kv, "work": work, "runtime": RUNTIME_GIB * GIB}
         t["peak"] = sum(t.values())
