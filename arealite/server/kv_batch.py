@@ -59,7 +59,11 @@ class SlackLayer(DynamicLayer):
         return buf[: self._rows[name], :, : self._length[name]]
 
     def _adopt(
-        self, name: str, tensor: torch.Tensor | None, length: int | None = None, rows=None
+        self,
+        name: str,
+        tensor: torch.Tensor | None,
+        length: int | None = None,
+        rows: int | None = None,
     ) -> None:
         self._buffers[name] = tensor
         whole = tensor is not None and tensor.dim() == 4
@@ -182,18 +186,17 @@ def keep_rows(batch: RunningBatch, keep_list: list[int], trim_padding: bool) -> 
     `trim_padding` (caches that `can_join` only) the last kept rows move into the places of
     leaving ones instead of every kept row being copied, and columns that are padding for
     every remaining row are dropped too, so a long finished prompt stops costing attention."""
+    device = batch.attention_mask.device
+    order = fill_holes(keep_list) if trim_padding else keep_list
+    keep = torch.tensor(order, device=device)
     if trim_padding:
-        order = fill_holes(keep_list)
         moved = [i for i, old in enumerate(order) if old != i]
-        device = batch.attention_mask.device
         src = torch.tensor([order[i] for i in moved], dtype=torch.long, device=device)
         dst = torch.tensor(moved, dtype=torch.long, device=device)
         for layer in batch.cache.layers:
             layer.move_rows(src, dst, len(order))
     else:
-        order = keep_list
-        batch.cache.batch_select_indices(torch.tensor(keep_list))
-    keep = torch.tensor(order, device=batch.attention_mask.device)
+        batch.cache.batch_select_indices(keep)
     mask = batch.attention_mask[keep]
     start = int(mask.any(dim=0).int().argmax()) if trim_padding else 0
     if start > 0:  # drop columns that are padding for every remaining row
