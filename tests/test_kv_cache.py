@@ -32,12 +32,26 @@ def same(slack: SlackLayer, plain: DynamicLayer) -> None:
     assert slack.get_seq_length() == plain.get_seq_length()
 
 
+def holding(keys_values) -> tuple[SlackLayer, DynamicLayer]:
+    """A SlackLayer and a DynamicLayer, each updated with the same keys and values."""
+    slack, plain = SlackLayer(), DynamicLayer()
+    for layer in (slack, plain):
+        layer.update(*keys_values)
+    return slack, plain
+
+
+def assert_teacher_forced(ref, done: list, atol: float) -> None:
+    """Each finished sequence's sampled logprobs are those of `ref` run over its whole text."""
+    for s in done:
+        ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
+        logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :].float()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), want[:, 0], atol=atol, rtol=0)
+
+
 def test_slack_layer_matches_dynamic_layer_through_growth_and_surgery():
     gen = torch.Generator().manual_seed(0)
-    slack, plain = SlackLayer(), DynamicLayer()
-    prefill = kv(3, 5, gen)
-    for layer in (slack, plain):
-        layer.update(*prefill)
+    slack, plain = holding(kv(3, 5, gen))
     same(slack, plain)
     for _ in range(60):  # 5 + 60 columns: outgrows 5 + spare_columns(5) at least once
         step = kv(3, 1, gen)
@@ -82,14 +96,8 @@ def test_a_decoding_step_writes_into_the_buffer_it_already_has():
 
 def test_rows_join_into_free_rows_and_leave_by_moving_the_last_ones():
     gen = torch.Generator().manual_seed(2)
-    slack, plain = SlackLayer(), DynamicLayer()
-    running = kv(3, 6, gen)
-    for layer in (slack, plain):
-        layer.update(*running)
-    first = SlackLayer()
-    first.update(*kv(2, 9, gen))  # wider: the running rows are re-laid out, with spare rows
-    plain_first = DynamicLayer()
-    plain_first.keys, plain_first.values = first.keys.clone(), first.values.clone()
+    slack, plain = holding(kv(3, 6, gen))
+    first, plain_first = holding(kv(2, 9, gen))  # wider: the running rows are re-laid out
 
     def stack(joining_s, joining_p, width):
         slack.stack_rows(joining_s, width)
@@ -103,10 +111,7 @@ def test_rows_join_into_free_rows_and_leave_by_moving_the_last_ones():
     same(slack, plain)
     assert slack._buffers["keys"].shape[0] == 5 + spare_rows(5)
     buffer = slack.keys.untyped_storage().data_ptr()
-    narrow_s, narrow_p = SlackLayer(), DynamicLayer()
-    joining = kv(4, 4, gen)  # narrower and within the free rows: written in place
-    narrow_s.update(*joining)
-    narrow_p.update(*joining)
+    narrow_s, narrow_p = holding(kv(4, 4, gen))  # narrower, within the free rows: in place
     stack(narrow_s, narrow_p, 9)
     same(slack, plain)
     assert slack.keys.untyped_storage().data_ptr() == buffer
@@ -153,13 +158,7 @@ def test_rows_joining_and_leaving_mid_decode_keep_every_row_exact(tiny_model_dir
             done += runner.step(joining.get(step, []))
             step += 1
         assert len(done) == 9
-        for s in done:
-            ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
-            logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :]
-            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
-            torch.testing.assert_close(
-                torch.tensor(s.output_logprobs), want[:, 0], atol=1e-4, rtol=0
-            )
+        assert_teacher_forced(ref, done, atol=1e-4)
 
 
 def test_new_cache_uses_slack_layers_for_full_attention_only(tiny_model_dir):
@@ -202,11 +201,5 @@ def test_a_bf16_model_on_cpu_attends_in_fp32_over_an_fp32_cache(tiny_model_dir):
         assert layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32
         while runner.num_running:
             done += runner.step([])
-        for s in done:
-            ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
-            logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :].float()
-            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
-            # bf16 matmuls over other shapes round differently: bf16's tolerance, not 0
-            torch.testing.assert_close(
-                torch.tensor(s.output_logprobs), want[:, 0], atol=0.01, rtol=0
-            )
+        # bf16 matmuls over other shapes round differently: bf16's tolerance, not 0
+        assert_teacher_forced(ref, done, atol=0.01)
