@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from _teacher_forced import teacher_forced_logprobs
 from _torchrun_fsdp import engine_config, make_batch
 from test_weight_sync import metrics_and_versions, run_arith_grpo
 from transformers import AutoModelForCausalLM
@@ -48,10 +49,7 @@ def requests_for(prompts, max_new_tokens=6, greedy=True):
 
 def teacher_forced(model_dir: str, prompt: list[int], out: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + out])
-    with torch.no_grad():
-        logp = model(ids).logits[0].log_softmax(-1)
-    return logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt) :, None])[:, 0]
+    return teacher_forced_logprobs(model, prompt, out)
 
 
 def test_a_group_is_the_models_own_tokens_and_logprobs(engine, tiny_model_dir):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _teacher_forced import teacher_forced_logprobs
 from transformers.cache_utils import DynamicLayer
 
 from arealite.server.kv_batch import (
@@ -43,10 +44,8 @@ def holding(keys_values) -> tuple[SlackLayer, DynamicLayer]:
 def assert_teacher_forced(ref, done: list, atol: float) -> None:
     """Each finished sequence's sampled logprobs are those of `ref` run over its whole text."""
     for s in done:
-        ids = torch.tensor([s.req.input_ids + s.output_ids[:-1]])
-        logits = ref(input_ids=ids).logits[0, len(s.req.input_ids) - 1 :].float()
-        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])
-        torch.testing.assert_close(torch.tensor(s.output_logprobs), want[:, 0], atol=atol, rtol=0)
+        want = teacher_forced_logprobs(ref, s.req.input_ids, s.output_ids)
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=atol, rtol=0)
 
 
 def test_slack_layer_matches_dynamic_layer_through_growth_and_surgery():

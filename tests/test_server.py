@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import requests
 import torch
+from _teacher_forced import forward_logits, teacher_forced_logprobs
 
 from arealite.server.model_runner import Sequence
 from arealite.server.process import launch_server
@@ -77,13 +78,6 @@ def prompts(n: int, seed: int = 0, vocab: int = 600) -> list[list[int]]:
     ]
 
 
-@torch.no_grad()
-def forward_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Logits [len(output), V] that predicted each output token, from one unpadded forward."""
-    ids = torch.tensor([prompt + output[:-1]])
-    return model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
-
-
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, weight_roots):
@@ -129,13 +123,10 @@ def test_64_concurrent_requests_batch_and_logprobs_match_forward(server, ref_mod
         assert [t for _, t, _ in lps] == out
         got = torch.tensor([lp for lp, _, _ in lps])
         assert torch.isfinite(got).all()
-        logits = forward_logits(ref_model, body["input_ids"], out)
-        temperature = sp["temperature"] or 1.0
-        want = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(out)[:, None])[
-            :, 0
-        ]
+        want = teacher_forced_logprobs(ref_model, body["input_ids"], out, sp["temperature"] or 1.0)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
         if sp["temperature"] == 0:  # greedy: every token is (within float noise) the argmax
+            logits = forward_logits(ref_model, body["input_ids"], out)
             top = logits.max(-1).values
             chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
             assert (top - chosen <= 1e-4).all()
@@ -581,9 +572,8 @@ def test_runner_joins_a_running_batch_with_exact_logprobs(tiny_model_dir, ref_mo
     assert len(done) == 4
     for s in done:
         assert len(s.output_ids) == s.req.params.max_new_tokens
-        logits = forward_logits(ref_model, s.req.input_ids, s.output_ids)
-        want = torch.log_softmax(logits / s.req.params.logprob_temperature, -1)
-        want = want.gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        temperature = s.req.params.logprob_temperature
+        want = teacher_forced_logprobs(ref_model, s.req.input_ids, s.output_ids, temperature)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=1e-4, rtol=0)
 
 
@@ -620,8 +610,7 @@ def test_a_shared_prompt_is_prefilled_once_and_its_rows_sample_apart(tiny_model_
     assert len(set(outs)) > 1  # the 8 samples drew their own tokens
     for s in done:
         assert len(s.output_ids) == s.req.params.max_new_tokens
-        logits = forward_logits(ref_model, s.req.input_ids, s.output_ids)
-        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        want = teacher_forced_logprobs(ref_model, s.req.input_ids, s.output_ids)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), want, atol=1e-4, rtol=0)
 
 
