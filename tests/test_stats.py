@@ -201,6 +201,20 @@ def test_progress_line_timing_eta_and_print_every(caplog):
     assert "ETA 0m00s" in line or "ETA 0m01s" in line, line
 
 
+def test_progress_line_prints_the_mean_since_the_last_line():
+    """A slow step (an evaluation) is spread over its window, not printed as the run's pace."""
+    p = ProgressLine(total_steps=10, print_every=4)
+    p.update(0, {"n_tokens": 100})  # start-up: left out of the window
+    for step, pause in zip((1, 2, 3), (0.02, 0.30, 0.02)):
+        time.sleep(pause)
+        line = p.update(step, {"n_tokens": 100})
+    secs = float(line.split(" | ")[1].split()[0])
+    toks = float(line.split(" | ")[2].split()[0])
+    assert line.startswith("step 4/10")
+    assert 0.11 <= secs < 0.25, line  # (0.02 + 0.30 + 0.02) / 3, not the last step's 0.02
+    assert 300 / (3 * secs + 0.02) <= toks <= 300 / (3 * secs - 0.02), line
+
+
 def test_the_first_step_prints_no_eta():
     line = ProgressLine(total_steps=10).update(0, {})
     assert line.startswith("step 1/10") and "ETA" not in line

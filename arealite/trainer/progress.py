@@ -78,10 +78,12 @@ def format_progress(
 class ProgressLine:
     """Times the steps and logs `format_progress` every `print_every` steps.
 
-    Seconds per step is an exponential moving average (so the ETA does not jump with one slow
-    step) that leaves out the first step: it also pays for start-up (the first batch, the
-    evaluation before training, kernel warm-up), so that step prints no ETA. Tokens/s uses the
-    step's own `n_tokens` stat (or the `n_tokens` argument).
+    The printed s/step and tokens/s are means over the steps since the last line, so a slow step
+    (an evaluation) is spread over its window instead of printed as the run's pace. The ETA uses
+    an exponential moving average of the step time. Both leave out the first step: it also pays
+    for start-up (the first batch, the evaluation before training, kernel warm-up), so that step
+    prints its own time and no ETA. Tokens come from each step's `n_tokens` stat (or the
+    `n_tokens` argument).
     """
 
     def __init__(self, total_steps: int | None, print_every: int = 1, ema: float = 0.8):
@@ -91,6 +93,9 @@ class ProgressLine:
         self.secs_per_step: float | None = None
         self._last = time.monotonic()
         self._first = True
+        self._window_secs = 0.0  # the steps since the last printed line
+        self._window_steps = 0
+        self._window_tokens: float | None = 0.0
 
     def update(
         self,
@@ -102,16 +107,17 @@ class ProgressLine:
         """Call after (0-based) `global_step` finished; returns the line when it was logged."""
         now = time.monotonic()
         dt, self._last = now - self._last, now
-        if self._first:
-            self._first = False
-        elif self.secs_per_step is None:
-            self.secs_per_step = dt
-        else:
-            self.secs_per_step = self.ema * self.secs_per_step + (1 - self.ema) * dt
-        if (global_step + 1) % self.print_every:
-            return None
         if n_tokens is None:
             n_tokens = find_stat(stats, COLUMN_PATTERNS["n_tokens"])
+        if self._first:
+            self._first = False
+            secs, steps, tokens = dt, 1, n_tokens
+        else:
+            self._count_step(dt, n_tokens)
+            secs, steps, tokens = self._window_secs, self._window_steps, self._window_tokens
+        if (global_step + 1) % self.print_every:
+            return None
+        self._window_secs, self._window_steps, self._window_tokens = 0.0, 0, 0.0
         eta = None
         if self.total_steps and self.secs_per_step is not None:
             eta = self.secs_per_step * max(0, self.total_steps - global_step - 1)
@@ -119,10 +125,20 @@ class ProgressLine:
             global_step + 1,
             self.total_steps,
             stats,
-            secs_per_step=dt,
-            tokens_per_sec=n_tokens / dt if n_tokens is not None and dt > 0 else None,
+            secs_per_step=secs / steps,
+            tokens_per_sec=tokens / secs if tokens is not None and secs > 0 else None,
             eta_secs=eta,
             **explicit,
         )
         logger.info(line)
         return line
+
+    def _count_step(self, dt: float, n_tokens: float | None) -> None:
+        if self.secs_per_step is None:
+            self.secs_per_step = dt
+        else:
+            self.secs_per_step = self.ema * self.secs_per_step + (1 - self.ema) * dt
+        self._window_secs += dt
+        self._window_steps += 1
+        if self._window_tokens is not None:
+            self._window_tokens = None if n_tokens is None else self._window_tokens + n_tokens
