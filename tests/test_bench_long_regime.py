@@ -128,25 +128,21 @@ def test_part_b_without_trl_fails_before_any_run(tmp_path, monkeypatch):
     assert long_regime.parse_args().parts == ["a"]
 
 
-def test_report_pairs_each_seed_with_its_longest_synchronous_run(tmp_path, monkeypatch, capsys):
-    """--report runs nothing: runs of different budgets (a short async arm, a longer sync one)
-    pair by seed, and part a gives the time to each --levels accuracy as async / sync."""
+def _result(arm, budget, curve, steps_per_s):
+    """A results.jsonl row of one run (seed 1, target 0.8) with this accuracy curve."""
+    eta, loss, mb, pause_mode = long_regime.parse_arm(arm)
+    hit = long_regime.first_reaching(curve, 0.8)
+    return dict(
+        arm=arm, eta=eta, loss=loss, minibatches=mb, pause_mode=pause_mode, seed=1,
+        budget_s=budget, accuracy_curve=curve, target=0.8, time_to_target_s=hit[0],
+        steps_to_target=hit[1], steps_per_s=steps_per_s, tokens_per_s=steps_per_s * 100,
+    )  # fmt: skip
+
+
+def _report_pair(rows, tmp_path, monkeypatch, capsys) -> dict:
+    """`long_regime.py --report` part a over these rows: its async_vs_sync figure."""
     import json
 
-    def result(arm, budget, curve, steps_per_s):
-        eta, loss, mb, pause_mode = long_regime.parse_arm(arm)
-        hit = long_regime.first_reaching(curve, 0.8)
-        return dict(
-            arm=arm, eta=eta, loss=loss, minibatches=mb, pause_mode=pause_mode, seed=1,
-            budget_s=budget, accuracy_curve=curve, target=0.8, time_to_target_s=hit[0],
-            steps_to_target=hit[1], steps_per_s=steps_per_s, tokens_per_s=steps_per_s * 100,
-        )  # fmt: skip
-
-    rows = [
-        result("eta0_decoupled_mb1", 100.0, [[0, 0, 0.7], [100, 30, 0.75]], 0.3),
-        result("eta0_decoupled_mb1", 400.0, [[0, 0, 0.7], [200, 60, 0.8], [400, 120, 0.9]], 0.3),
-        result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [120, 60, 0.85]], 0.5),
-    ]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["long_regime.py", "--report", "--parts", "a", "--seeds", "1", "--workdir"]
     arms = "eta0_decoupled_mb1,eta2_decoupled_mb1_inplace"
@@ -154,6 +150,18 @@ def test_report_pairs_each_seed_with_its_longest_synchronous_run(tmp_path, monke
     long_regime.main()
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     (pair,) = [x for x in lines if x["figure"] == "async_vs_sync"]
+    return pair
+
+
+def test_report_pairs_each_seed_with_its_longest_synchronous_run(tmp_path, monkeypatch, capsys):
+    """--report runs nothing: runs of different budgets (a short async arm, a longer sync one)
+    pair by seed, and part a gives the time to each --levels accuracy as async / sync."""
+    rows = [
+        _result("eta0_decoupled_mb1", 100.0, [[0, 0, 0.7], [100, 30, 0.75]], 0.3),
+        _result("eta0_decoupled_mb1", 400.0, [[0, 0, 0.7], [200, 60, 0.8], [400, 120, 0.9]], 0.3),
+        _result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [120, 60, 0.85]], 0.5),
+    ]
+    pair = _report_pair(rows, tmp_path, monkeypatch, capsys)
     assert pair["sync_time_to_target_s"] == 200 and pair["async_time_to_target_s"] == 120
     assert pair["async_time_fraction_by_level"] == {
         "0.8": {"sync_s": 200, "async_s": 120, "async_over_sync": 0.6},
@@ -161,3 +169,21 @@ def test_report_pairs_each_seed_with_its_longest_synchronous_run(tmp_path, monke
     }
     assert pair["steps_per_s_ratio"] == 1.67 and not pair["within_half"]
     assert (tmp_path / "long_regime.png").exists()
+
+
+@pytest.mark.parametrize("async_s, within_half", [(180, True), (250, False)])
+def test_within_half_when_sync_never_got_there(tmp_path, monkeypatch, capsys, async_s, within_half):
+    """Synchronous' time is then only known to exceed its budget (400 s): async within half of
+    it is shown at <= 200 s, not merely by reaching the target at all."""
+    rows = [
+        _result("eta0_decoupled_mb1", 400.0, [[0, 0, 0.7], [400, 120, 0.75]], 0.3),
+        _result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [async_s, 60, 0.85]], 0.5),
+    ]
+    pair = _report_pair(rows, tmp_path, monkeypatch, capsys)
+    assert pair["sync_time_to_target_s"] is None and pair["within_half"] is within_half
+
+
+def test_within_half_reads_a_synchronous_time_of_zero_as_a_time():
+    """A synchronous run whose first evaluation was already at the target took 0 s, not 'never'."""
+    assert not long_regime.within_half(50.0, 0.0, 400.0)
+    assert long_regime.within_half(0.0, 0.0, 400.0) and not long_regime.within_half(None, None, 1)
