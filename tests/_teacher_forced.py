@@ -17,5 +17,11 @@ def teacher_forced_logprobs(
     model, prompt: list[int], output: list[int], temperature: float = 1.0
 ) -> torch.Tensor:
     """Logprobs [len(output)] of the output tokens under `model` at `temperature`."""
-    logits = forward_logits(model, prompt, output) / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
+    return logprobs_of(forward_logits(model, prompt, output), output, temperature)
+
+
+def logprobs_of(logits: torch.Tensor, output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """Logprobs [len(output)] of the output tokens under `forward_logits`' logits."""
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[
+        :, 0
+    ]

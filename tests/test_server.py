@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import requests
 import torch
-from _teacher_forced import forward_logits, teacher_forced_logprobs
+from _teacher_forced import forward_logits, logprobs_of, teacher_forced_logprobs
 
 from arealite.server.model_runner import Sequence
 from arealite.server.process import launch_server
@@ -123,10 +123,10 @@ def test_64_concurrent_requests_batch_and_logprobs_match_forward(server, ref_mod
         assert [t for _, t, _ in lps] == out
         got = torch.tensor([lp for lp, _, _ in lps])
         assert torch.isfinite(got).all()
-        want = teacher_forced_logprobs(ref_model, body["input_ids"], out, sp["temperature"] or 1.0)
+        logits = forward_logits(ref_model, body["input_ids"], out)
+        want = logprobs_of(logits, out, sp["temperature"] or 1.0)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
         if sp["temperature"] == 0:  # greedy: every token is (within float noise) the argmax
-            logits = forward_logits(ref_model, body["input_ids"], out)
             top = logits.max(-1).values
             chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
             assert (top - chosen <= 1e-4).all()
