@@ -152,10 +152,14 @@ def launch_for(
     log_path: str,
     budget_s: float,
     grace_s: float = 300.0,
+    ends_itself: bool = False,
 ) -> list[dict]:
-    """examples/grpo.py through the local launcher, stopped by SIGTERM once an evaluation past
-    `budget_s` of its wall time is logged in `metrics` (its metrics.jsonl) or the run ends;
-    returns the run's records. An earlier attempt's metrics are removed: runs start afresh."""
+    """examples/grpo.py through the local launcher; returns the run's records from `metrics`
+    (its metrics.jsonl). It ends itself when `ends_itself` (overrides with total_train_secs =
+    `budget_s`: the last step evaluates and the export follows); otherwise it is stopped by
+    SIGTERM once an evaluation past `budget_s` of its wall time is logged. Either way it is
+    stopped `grace_s` past the budget. An earlier attempt's metrics are removed: runs start
+    afresh."""
     import signal
 
     if os.path.exists(metrics):
@@ -166,7 +170,7 @@ def launch_for(
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(2)
-            recs = read_jsonl(metrics)
+            recs = [] if ends_itself else read_jsonl(metrics)
             if any(r.get("eval/accuracy") is not None and r["wall_time"] >= budget_s for r in recs):
                 break
             if time.monotonic() - t0 > budget_s + grace_s:

@@ -12,8 +12,8 @@ the demo has it: it applies to every arm alike) from one SFT warm start:
 - etaK_naive: use_decoupled_loss=false, recompute_logprob=false, so PPO's old policy is the
   behaviour policy. (recompute_logprob=true would make old = the current weights with one
   minibatch: ratio 1, no clip, no correction at all; that is not PPO.)
-Each run gets the same wall-clock budget (stopped by SIGTERM once an evaluation past it is
-logged) with greedy held-out accuracy (200 problems) every `--eval-secs`.
+Each run gets the same budget of training seconds (total_train_secs: it then ends itself with
+a last evaluation) with greedy held-out accuracy (200 problems) every `--eval-secs`.
 
 Output: a JSON line per arm and seed (appended to WORKDIR/results.jsonl; an arm + seed + budget
 found there is not re-run), a JSON line and a table row per arm (mean +- std over seeds of the
@@ -22,8 +22,8 @@ behaviour KL(behaviour || current) k1; mean importance weight current / behaviou
 tokens masked by the cap `behav_imp_weight_cap`; PPO clip fraction), and WORKDIR/
 staleness_ablation.png (accuracy vs wall time and vs step, one colour per arm).
 
-Sizes: 9 arms x 3 seeds = 27 runs of --budget 90 s; each also spends ~15 s starting and up to
-one eval period past the budget, so ~2 minutes a run and ~55 minutes in all on a 2-core CPU
+Sizes: 9 arms x 3 seeds = 27 runs of --budget 90 s; each also spends ~15 s starting and one
+evaluation past the budget, so ~2 minutes a run and ~55 minutes in all on a 2-core CPU
 (plus ~30 s for the warm start). --quick: one seed, eta4_decoupled vs eta4_naive, 120 s each:
 about 5 minutes with the warm start.
 
@@ -50,7 +50,9 @@ ARMS = {"eta0": (0, True)} | {
 QUICK_ARMS = ("eta4_decoupled", "eta4_naive")
 
 
-def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int) -> list[str]:
+def arm_overrides(
+    arm: str, seed: int, model: str, workdir: str, eval_secs: int, budget: float
+) -> list[str]:
     eta, decoupled = ARMS[arm]
     return [
         f"cluster.fileroot={workdir}",
@@ -58,7 +60,8 @@ def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int)
         f"trial_name={arm}_s{seed}",
         f"actor.path={model}",
         f"seed={seed}",
-        "total_train_steps=100000",
+        "total_train_steps=100000",  # the run ends by the clock, with a last evaluation
+        f"total_train_secs={budget}",
         "evaluator.freq_steps=null",
         f"evaluator.freq_secs={eval_secs}",
         "saver.freq_steps=null",
@@ -72,14 +75,15 @@ def arm_overrides(arm: str, seed: int, model: str, workdir: str, eval_secs: int)
 
 
 def run_arm(arm: str, seed: int, model: str, args) -> list[dict]:
-    """The launcher, stopped once an evaluation past the budget is logged; its records."""
+    """The launcher, for the budget of training seconds (then a last evaluation); its records."""
     run = f"{arm}_s{seed}"
     return launch_for(
         "arith_grpo.yaml",
-        arm_overrides(arm, seed, model, args.workdir, args.eval_secs),
+        arm_overrides(arm, seed, model, args.workdir, args.eval_secs, args.budget),
         os.path.join(args.workdir, "staleness", run, "metrics.jsonl"),
         os.path.join(args.workdir, f"{run}.log"),
         args.budget,
+        ends_itself=True,
     )
 
 
@@ -201,7 +205,7 @@ def warm_start(args) -> str:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one seed, eta4 decoupled vs naive")
-    p.add_argument("--budget", type=float, default=None, help="seconds per run (90; quick 120)")
+    p.add_argument("--budget", type=float, default=None, help="training seconds per run (90; quick 120)")
     p.add_argument("--eval-secs", type=int, default=None, help="eval period (15; quick 20)")
     p.add_argument("--seeds", default=None, help="comma-separated (1,2,3; quick 1)")
     p.add_argument("--arms", default=None, help=f"comma-separated of {','.join(ARMS)}")

@@ -45,6 +45,8 @@ def main(argv: list[str], workflow_cls=None, load_processor=None) -> None:
         trainer.log(global_step, stats)
         # Last: a checkpoint for step s+1 implies step s is logged (resuming never leaves a gap).
         trainer.recover.dump(global_step + 1)
+        if trainer.is_last(global_step):  # total_train_secs can end the run early
+            break
     trainer.finish()
 
 

@@ -17,8 +17,11 @@ import long_regime  # noqa: E402
 def test_every_arm_parses_and_names_its_overrides():
     for arm in long_regime.PART_A + long_regime.PART_C + ["eta4_decoupled_mb1_inplace"]:
         eta, loss, mb, pause_mode = long_regime.parse_arm(arm)
-        args = SimpleNamespace(workdir="/w", eval_secs=30, arealite_args="gconfig.temperature=0.7")
+        args = SimpleNamespace(
+            workdir="/w", eval_secs=30, budget=300.0, arealite_args="gconfig.temperature=0.7"
+        )
         over = long_regime.arm_overrides(arm, 1, "/m", args)
+        assert "total_train_secs=300.0" in over  # the run ends itself, with a last evaluation
         assert f"rollout.max_head_offpolicyness={eta}" in over
         assert f"actor.ppo_n_minibatches={mb}" in over
         assert set(long_regime.LOSSES[loss]) <= set(over)

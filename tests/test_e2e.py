@@ -2,8 +2,8 @@
 user takes (`python -m arealite.launcher.local examples/... --config ...`), checked by its files.
 
 Three runs (~2 min on 2 cores): asynchronous GRPO (1 embedded server + 2 FSDP ranks; weight
-updates in place, in-flight requests kept), SFT over 2 ranks, then synchronous GRPO (eta = 0)
-starting from the SFT export, as a user would chain them.
+updates in place, in-flight requests kept), SFT over 2 ranks (ended by `total_train_secs`),
+then synchronous GRPO (eta = 0) starting from the SFT export, as a user would chain them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ pytestmark = pytest.mark.integration
 
 ETA = 2  # staleness bound of the async run
 PROMPTS, SAMPLES = 4, 2  # prompts per step, samples per prompt
+SFT_MAX_STEPS, SFT_SECS = 300, 3.0  # the SFT run stops by the clock, after some steps
+SYNC_MAX_STEPS, SYNC_SECS = 20, 1.0  # so does the synchronous GRPO run
 
 
 def read_rollouts(run_dir: str) -> dict[int, list[dict]]:
@@ -100,7 +102,8 @@ def sft_run(tmp_path_factory, tiny_model_dir):
         "trial_name=t",
         f"model.path={tiny_model_dir}",
         "allocation_mode=d2p1t1",
-        "total_train_steps=4",
+        f"total_train_steps={SFT_MAX_STEPS}",
+        f"total_train_secs={SFT_SECS}",  # ends it first: both ranks stop at rank 0's step
         "train_dataset.batch_size=16",
         "model.optimizer.warmup_steps_proportion=0",
     ]
@@ -112,11 +115,14 @@ def sft_run(tmp_path_factory, tiny_model_dir):
 def sync_run(tmp_path_factory, sft_run):
     """Synchronous GRPO from the SFT export: the user's SFT -> RL pipeline."""
     root = str(tmp_path_factory.mktemp("e2e_sync"))
-    model = os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep4")
-    args = grpo_overrides(root, "sync", model, steps=2)
+    (name,) = os.listdir(os.path.join(sft_run, "checkpoints", "final"))
+    model = os.path.join(sft_run, "checkpoints", "final", name)
+    args = grpo_overrides(root, "sync", model, steps=SYNC_MAX_STEPS)
     args += [
         "allocation_mode=local.d1p1t1+d1p1t1",
         "rollout.max_head_offpolicyness=0",
+        f"total_train_secs={SYNC_SECS}",  # ends it after a step or two
+        "evaluator.freq_steps=null",  # so only the last step evaluates
     ]
     local_launch("grpo.py", "arith_grpo.yaml", *args)
     return os.path.join(root, "e2e-grpo", "sync")
@@ -185,13 +191,18 @@ def test_async_grpo_artifacts(async_run):
 # --------------------------------------------------------------------------- SFT, sync GRPO
 
 
-def test_sft_two_ranks_exports_a_trained_model(sft_run, tiny_model_dir):
+def test_sft_two_ranks_stops_by_the_clock_and_exports_a_trained_model(sft_run, tiny_model_dir):
     records = read_metrics(sft_run)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    n = len(records)
+    assert [r["step"] for r in records] == list(range(n))
+    assert 2 <= n < SFT_MAX_STEPS, n  # total_train_secs ended it, on a step boundary
+    assert records[-1]["wall_time"] >= SFT_SECS
     assert all(r["n_seqs"] == 16 for r in records)
     assert all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["loss"] < records[0]["loss"]
-    trained = load_checkpoint(os.path.join(sft_run, "checkpoints", "final", "epoch0globalstep4"))
+    # The final export is named by the steps trained, not the steps planned.
+    assert os.listdir(os.path.join(sft_run, "checkpoints", "final")) == [f"epoch0globalstep{n}"]
+    trained = load_checkpoint(os.path.join(sft_run, "checkpoints", "final", f"epoch0globalstep{n}"))
     initial = load_checkpoint(tiny_model_dir)
     changed = [
         name
@@ -203,15 +214,18 @@ def test_sft_two_ranks_exports_a_trained_model(sft_run, tiny_model_dir):
 
 def test_sync_grpo_is_on_policy(sync_run):
     records = read_metrics(sync_run)
-    assert [r["step"] for r in records] == [0, 1]
+    n = len(records)
+    assert [r["step"] for r in records] == list(range(n)) and 1 <= n < SYNC_MAX_STEPS
+    # The step that ran out of time evaluated as the last one (and no other step did).
+    assert ["eval/accuracy" in r for r in records] == [False] * (n - 1) + [True], records
     for r in records:
         assert r["n_seqs"] == PROMPTS * SAMPLES and math.isfinite(r["loss"])
         assert r["staleness_max"] == 0, r  # eta = 0: every token from the current weights
         assert r["behave_logp_absdiff_max"] < 1e-3, r
-    assert server_versions(sync_run) == [1, 2]
+    assert server_versions(sync_run) == list(range(1, n + 1))
     dumps = read_rollouts(sync_run)
-    assert sorted(dumps) == [0, 1]
+    assert sorted(dumps) == list(range(n))
     for version, rows in dumps.items():
         assert len(rows) == PROMPTS * SAMPLES
         assert all(set(row["output_versions"]) == {version} for row in rows)
-    load_checkpoint(os.path.join(sync_run, "checkpoints", "final", "epoch0globalstep2"))
+    load_checkpoint(os.path.join(sync_run, "checkpoints", "final", f"epoch0globalstep{n}"))

@@ -22,6 +22,7 @@ from arealite.trainer.progress import ProgressLine, find_stat, format_progress
 from arealite.trainer.run_summary import held_out_change, summary
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
+from arealite.trainer.time_budget import TimeBudget
 from arealite.trainer.timer import EpochStepTimeFreqCtl
 from arealite.utils.network import find_free_port
 
@@ -218,6 +219,57 @@ def test_progress_line_prints_the_mean_since_the_last_line():
 def test_the_first_step_prints_no_eta():
     line = ProgressLine(total_steps=10).update(0, {})
     assert line.startswith("step 1/10") and "ETA" not in line
+
+
+def test_a_time_budget_bounds_the_eta():
+    """A run that ends by the clock (total_train_secs) first: the ETA is the time left."""
+    budget = TimeBudget(2.0)
+    budget.start()
+    p = ProgressLine(total_steps=1000, time_budget=budget)
+    p.update(0, {})
+    time.sleep(0.05)
+    line = p.update(1, {})
+    assert "ETA 0m01s" in line or "ETA 0m02s" in line, line  # not 998 steps x 0.05 s
+
+
+# ----------------------------------------------------------------------------- time budget
+
+
+def test_a_time_budget_decides_once_per_step():
+    assert not TimeBudget(None).spent(0) and TimeBudget(None).remaining() is None
+    budget = TimeBudget(0.2)
+    assert budget.remaining() is None  # not started
+    budget.start()
+    assert not budget.spent(0) and 0 < budget.remaining() <= 0.2
+    time.sleep(0.25)
+    assert budget.remaining() == 0.0
+    assert not budget.spent(0)  # step 0's answer stands: its services already ran
+    assert budget.spent(1)
+
+
+def _budget_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        # Rank 0's clock decides: rank 1 is out of time first, then rank 0 alone.
+        budget = TimeBudget(0.3 if rank == 0 else 0.01)
+        budget.start()
+        time.sleep(0.1)
+        first = budget.spent(0)
+        budget._start -= 1.0 if rank == 0 else 0.0
+        second = budget.spent(1)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump([first, second], f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_a_time_budget_follows_rank_0_on_every_rank(tmp_path):
+    mp.spawn(_budget_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [False, True]
 
 
 # ----------------------------------------------------------------------------- frequency control

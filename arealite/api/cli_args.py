@@ -240,6 +240,14 @@ class BaseExperimentConfig(ConfigBase):
     total_train_steps: Optional[int] = field(
         default=None, metadata=_help("Stop after this many steps (null = all epochs).")
     )
+    total_train_secs: Optional[float] = field(
+        default=None,
+        metadata=_help(
+            "Also stop after the step during which this many seconds of training passed (wall "
+            "clock from this launch's first step); that step evaluates, the final export follows "
+            "(null = no limit). The LR schedule still spans the steps."
+        ),
+    )
     tokenizer_path: str = field(default="", metadata=_help("Defaults to the model path."))
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     valid_dataset: Optional[DatasetConfig] = None
@@ -259,6 +267,10 @@ class BaseExperimentConfig(ConfigBase):
         self._set_tensor_parallel()
         if self.total_train_epochs < 1:
             raise ConfigError(f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+        if self.total_train_secs is not None and not self.total_train_secs > 0:
+            raise ConfigError(
+                f"total_train_secs must be > 0 (or null), got {self.total_train_secs}"
+            )
 
     def _set_tensor_parallel(self) -> None:
         """Every trained model gets the trainer part's t; a tensor group (t consecutive

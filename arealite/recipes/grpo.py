@@ -25,6 +25,7 @@ from arealite.trainer.learning_signal import NoLearningSignal
 from arealite.trainer.recover import RecoverHandler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
+from arealite.trainer.time_budget import TimeBudget
 from arealite.trainer.weight_sync import WeightSync
 
 
@@ -98,6 +99,7 @@ class GRPOTrainer:
         self.no_signal = NoLearningSignal(config.rollout.no_signal_steps, config.actor.group_size)
         self.logger: StatsLogger | None = None
         self.accuracy_before: float | None = None
+        self.time_budget = TimeBudget(config.total_train_secs)
 
     def resume(self) -> int:
         """The first step to train: that of the last recover checkpoint, else 0 (then the
@@ -114,10 +116,20 @@ class GRPOTrainer:
             start_step=start,
             total_steps=self.total_steps,
             exp_config=config,
+            time_budget=self.time_budget,
         )
         if self.evaluation is not None and start == 0:
             self.accuracy_before = self.evaluation.accuracy()
+        self.time_budget.start()  # total_train_secs counts training, not loading
         return start
+
+    def is_last(self, global_step: int) -> bool:
+        """Whether `global_step` ends the run: the last of total_steps, or the one during which
+        total_train_secs ran out (it then evaluates, the loop stops after it, and total_steps
+        becomes the steps trained, which name the final export)."""
+        if self.time_budget.spent(global_step):
+            self.total_steps = global_step + 1
+        return global_step == self.total_steps - 1
 
     def rollout(self, global_step: int):
         """The step's batch: async (staleness-bounded, overlaps training), sync (eta = 0) or
@@ -179,7 +191,7 @@ class GRPOTrainer:
         if self.evaluation is None:
             return {}
         epoch, step = divmod(global_step, self.run.ft_spec.steps_per_epoch)
-        last = global_step == self.total_steps - 1
+        last = self.is_last(global_step)
 
         def accuracy() -> float:  # timeperf/eval: what evaluation costs the run's wall clock
             with timings.record_timing("eval"):

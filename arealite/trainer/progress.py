@@ -15,6 +15,8 @@ import re
 import time
 from collections.abc import Mapping
 
+from arealite.trainer.time_budget import TimeBudget
+
 logger = logging.getLogger("arealite.progress")
 
 # Which stat keys feed each column: the first key (in sorted order) matching a pattern wins.
@@ -83,11 +85,19 @@ class ProgressLine:
     an exponential moving average of the step time. Both leave out the first step: it also pays
     for start-up (the first batch, the evaluation before training, kernel warm-up), so that step
     prints its own time and no ETA. Tokens come from each step's `n_tokens` stat (or the
-    `n_tokens` argument).
+    `n_tokens` argument). A run with a `time_budget` (total_train_secs) ends by the clock when
+    that comes first, so its ETA is the smaller of the two.
     """
 
-    def __init__(self, total_steps: int | None, print_every: int = 1, ema: float = 0.8):
+    def __init__(
+        self,
+        total_steps: int | None,
+        print_every: int = 1,
+        ema: float = 0.8,
+        time_budget: TimeBudget | None = None,
+    ):
         self.total_steps = total_steps
+        self.time_budget = time_budget
         self.print_every = max(1, print_every)
         self.ema = ema
         self.secs_per_step: float | None = None
@@ -121,6 +131,9 @@ class ProgressLine:
         eta = None
         if self.total_steps and self.secs_per_step is not None:
             eta = self.secs_per_step * max(0, self.total_steps - global_step - 1)
+        left = self.time_budget.remaining() if self.time_budget is not None else None
+        if left is not None and self.secs_per_step is not None:
+            eta = left if eta is None else min(eta, left)
         line = format_progress(
             global_step + 1,
             self.total_steps,

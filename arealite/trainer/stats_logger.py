@@ -28,6 +28,7 @@ from arealite.api.cli_args import BaseExperimentConfig, StatsLoggerConfig
 from arealite.api.io_struct import FinetuneSpec
 from arealite.trainer.plotting import DEFAULT_PANELS, plot_curves, read_metrics_jsonl, select_curves
 from arealite.trainer.progress import ProgressLine
+from arealite.trainer.time_budget import TimeBudget
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class StatsLogger:
     """`commit` once per training step with the exported stats; `close` at the end.
 
     `ft_spec` gives the total number of steps for the progress line's ETA (`total_steps`
-    overrides it, e.g. config.total_train_steps); `exp_config` is recorded by wandb / swanlab.
+    overrides it, e.g. config.total_train_steps), and `time_budget` the clock's end
+    (total_train_secs); `exp_config` is recorded by wandb / swanlab.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class StatsLogger:
         start_step: int = 0,
         total_steps: int | None = None,
         exp_config: BaseExperimentConfig | None = None,
+        time_budget: TimeBudget | None = None,
     ):
         self.config = config
         self.run_dir = run_dir
@@ -83,7 +86,9 @@ class StatsLogger:
         self.summary_path = os.path.join(run_dir, "summary.json")
         if total_steps is None and ft_spec is not None:
             total_steps = ft_spec.total_train_steps
-        self.progress = ProgressLine(total_steps, print_every=config.print_every)
+        self.progress = ProgressLine(
+            total_steps, print_every=config.print_every, time_budget=time_budget
+        )
         self.is_writer = _rank() == 0
         self._closed = False
         self._t0 = time.time()

@@ -23,6 +23,7 @@ from arealite.trainer.evaluator import Evaluator
 from arealite.trainer.recover import RecoverHandler, ResumableSampler
 from arealite.trainer.saver import Saver
 from arealite.trainer.stats_logger import StatsLogger
+from arealite.trainer.time_budget import TimeBudget
 
 __all__ = ["start_run", "rank_loader", "train_supervised"]
 
@@ -67,7 +68,8 @@ def train_supervised(
     Each step: `train_step(batch)` (the engine's stats), the LR schedule, version + 1, the saver,
     `evaluate()` when the evaluator is due (logged as `eval_key`; also on the last step with
     `eval_last`), the metrics, then the recovery checkpoint (last: a checkpoint for step s + 1
-    implies step s is logged, so resuming never leaves a gap). Ends with a `final` export.
+    implies step s is logged, so resuming never leaves a gap). Ends with a `final` export, after
+    `total_steps` or the step during which `config.total_train_secs` ran out.
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     ft_spec = FinetuneSpec(
@@ -83,6 +85,7 @@ def train_supervised(
     states = {"model": engine, "dataloader": train_loader, "saver": saver, "evaluator": evaluator}
     recover = RecoverHandler(config.recover, ft_spec, config.run_dir, states)
     start = recover.load()
+    time_budget = TimeBudget(config.total_train_secs)
     logger = StatsLogger(
         config.stats_logger,
         config.run_dir,
@@ -90,7 +93,9 @@ def train_supervised(
         start_step=start,
         total_steps=total_steps,
         exp_config=config,
+        time_budget=time_budget,
     )
+    time_budget.start()
 
     data_iter = iter(train_loader)
     for global_step in range(start, total_steps):
@@ -105,14 +110,18 @@ def train_supervised(
             engine.step_lr_scheduler()
         engine.set_version(global_step + 1)
         saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
+        last = global_step == total_steps - 1 or time_budget.spent(global_step)
         if evaluate is not None:
-            force = eval_last and global_step == total_steps - 1
+            force = eval_last and last
             value = evaluator.evaluate(evaluate, epoch, step, global_step, force=force)
             if value is not None:
                 stats[eval_key] = value
         stats.update(timings.export())
         logger.commit(epoch, step, global_step, stats)
         recover.dump(global_step + 1)
+        if last:  # total_train_secs can end the run early
+            total_steps = global_step + 1
+            break
 
     saver.save(engine, 0, 0, total_steps, tokenizer=tokenizer, name="final", force=True)
     summary = logger.close()
