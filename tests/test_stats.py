@@ -39,29 +39,37 @@ def test_phase_timings_are_exported_once_as_means():
     assert timings.export() == {}  # export forgets
 
 
-def _freq_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _gloo_rank(rank: int, world_size: int, port: int, out_dir: str, decide) -> None:
+    """One rank of a gloo group: writes `decide(rank)` to out_dir/rank{rank}.json."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        # Time-based frequency control follows rank 0 even when clocks disagree.
-        ctl = EpochStepTimeFreqCtl(freq_sec=5)
-        ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 * rank})
-        fired_when_rank0_not_due = ctl.check(steps=1)
-        ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 - rank})
-        fired_when_rank0_due = ctl.check(steps=1)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump([fired_when_rank0_not_due, fired_when_rank0_due], f)
+            json.dump(decide(rank), f)
     finally:
         dist.destroy_process_group()
 
 
+def on_two_ranks(decide, tmp_path) -> list:
+    """What `decide(rank)` returned on each of two gloo ranks."""
+    mp.spawn(_gloo_rank, args=(2, find_free_port(), str(tmp_path), decide), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _freq_decisions(rank: int) -> list[bool]:
+    # Time-based frequency control follows rank 0 even when clocks disagree.
+    ctl = EpochStepTimeFreqCtl(freq_sec=5)
+    ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 * rank})
+    fired_when_rank0_not_due = ctl.check(steps=1)
+    ctl.load_state_dict({"epoch_counter": 0, "step_counter": 0, "elapsed_sec": 10 - rank})
+    fired_when_rank0_due = ctl.check(steps=1)
+    return [fired_when_rank0_not_due, fired_when_rank0_due]
+
+
 @pytest.mark.integration
 def test_time_based_frequency_follows_rank_0_on_every_rank(tmp_path):
-    mp.spawn(_freq_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        not_due, due = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert (not_due, due) == (False, True)
+    assert on_two_ranks(_freq_decisions, tmp_path) == [[False, True]] * 2
 
 
 # ----------------------------------------------------------------------------- stats logger
@@ -247,29 +255,19 @@ def test_a_time_budget_decides_once_per_step():
     assert budget.spent(1)
 
 
-def _budget_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        # Rank 0's clock decides: rank 1 is out of time first, then rank 0 alone.
-        budget = TimeBudget(0.3 if rank == 0 else 0.01)
-        budget.start()
-        time.sleep(0.1)
-        first = budget.spent(0)
-        budget._start -= 1.0 if rank == 0 else 0.0
-        second = budget.spent(1)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump([first, second], f)
-    finally:
-        dist.destroy_process_group()
+def _budget_decisions(rank: int) -> list[bool]:
+    # Rank 0's clock decides: rank 1 is out of time first, then rank 0 alone.
+    budget = TimeBudget(0.3 if rank == 0 else 0.01)
+    budget.start()
+    time.sleep(0.1)
+    first = budget.spent(0)
+    budget._start -= 1.0 if rank == 0 else 0.0
+    return [first, budget.spent(1)]
 
 
 @pytest.mark.integration
 def test_a_time_budget_follows_rank_0_on_every_rank(tmp_path):
-    mp.spawn(_budget_worker, args=(2, find_free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [False, True]
+    assert on_two_ranks(_budget_decisions, tmp_path) == [[False, True]] * 2
 
 
 # ----------------------------------------------------------------------------- frequency control
