@@ -347,7 +347,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="seed 1, the eta-4 arms, 180 s runs")
     p.add_argument("--parts", default="a,b,c", help="comma-separated of a, b, c")
     p.add_argument("--seeds", default=None, help="comma-separated (1,2,3; quick 1)")
-    p.add_argument("--budget", type=float, default=None, help="training seconds per run (300; quick 180)")
+    p.add_argument(
+        "--budget", type=float, default=None, help="training seconds per run (300; quick 180)"
+    )
     p.add_argument("--eval-secs", type=int, default=30, help="evaluation period (seconds)")
     p.add_argument("--target", type=float, default=0.30, help="part a's fixed accuracy")
     p.add_argument(

@@ -205,7 +205,9 @@ def warm_start(args) -> str:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one seed, eta4 decoupled vs naive")
-    p.add_argument("--budget", type=float, default=None, help="training seconds per run (90; quick 120)")
+    p.add_argument(
+        "--budget", type=float, default=None, help="training seconds per run (90; quick 120)"
+    )
     p.add_argument("--eval-secs", type=int, default=None, help="eval period (15; quick 20)")
     p.add_argument("--seeds", default=None, help="comma-separated (1,2,3; quick 1)")
     p.add_argument("--arms", default=None, help=f"comma-separated of {','.join(ARMS)}")
