@@ -93,6 +93,12 @@ def mean_of(recs: list[dict], key: str, sign: float = 1.0) -> float | None:
     return round(statistics.mean(vals), 5) if vals else None
 
 
+def reaches(accuracy: float | None, level: float) -> bool:
+    """Whether a held-out accuracy is at least `level`, ties included: runs before 2026-11-29
+    logged it through float32, so 228 of 400 read 0.5699999928 and missed a level of 0.57."""
+    return accuracy is not None and accuracy >= level - 1e-6
+
+
 def eval_curve(recs: list[dict]) -> list[tuple]:
     """(wall seconds, steps trained, held-out accuracy): the warm start's evaluation at (0, 0),
     then every step that evaluated."""

@@ -34,7 +34,7 @@ import json
 import os
 import statistics
 
-from bench_io import emit, launch, make_workdir
+from bench_io import emit, launch, make_workdir, reaches
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -77,7 +77,7 @@ def summarize(name: str, records: list[dict], target: float, launcher_s: float) 
         for r in records
         if r.get("eval/accuracy") is not None
     ]
-    hit = next(((s, t) for s, t, acc in evals if acc >= target), None)
+    hit = next(((s, t) for s, t, acc in evals if reaches(acc, target)), None)
     later = records[1:] or records
     phases = ("rollout", "compute_logp", "train_step", "update_weights")
     return {
@@ -94,8 +94,9 @@ def summarize(name: str, records: list[dict], target: float, launcher_s: float) 
         "accuracy_curve": [[s, round(t, 1), round(a, 4)] for s, t, a in evals],
         "final_accuracy": evals[-1][2] if evals else None,
         "target_accuracy": target,
-        "target_met_before_training": (records[0].get("eval/accuracy_before_training") or 0)
-        >= target,
+        "target_met_before_training": reaches(
+            records[0].get("eval/accuracy_before_training"), target
+        ),
         "steps_to_target": hit[0] + 1 if hit else None,
         "time_to_target_s": round(hit[1], 1) if hit else None,
         "reward_mean": round(

@@ -140,7 +140,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def first_reaching(curve: list, level: float) -> tuple:
     """(wall seconds, steps) of the first evaluation at or above `level`; (None, None) if none."""
-    return next(((t, s) for t, s, a in curve if a is not None and a >= level), (None, None))
+    return next(((t, s) for t, s, a in curve if bench_io.reaches(a, level)), (None, None))
 
 
 def summarize_run(arm: str, seed: int, recs: list[dict], args) -> dict:

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench_io import REPO, emit, emit_machine, launch_for, make_workdir, read_jsonl
+from bench_io import REPO, emit, emit_machine, launch_for, make_workdir, reaches, read_jsonl
 from e2e_async_vs_sync import build_warm_start
 
 from arealite.utils.hardware import resolve_dtype
@@ -427,7 +427,7 @@ def time_to_trl_final(by: dict[str, list[dict]]) -> None:
     target = statistics.mean(r["accuracy_by_minute"][-1][1] for r in by["trl"])
     budget = statistics.mean(r["accuracy_by_minute"][-1][0] for r in by["trl"]) * 60
     times = [
-        next((round(m * 60, 1) for m, a in r["accuracy_by_minute"] if a >= target), None)
+        next((round(m * 60, 1) for m, a in r["accuracy_by_minute"] if reaches(a, target)), None)
         for r in by["arealite"]
     ]
     reached = None not in times and statistics.mean(times) > 0  # 0: the warm start was there
@@ -449,7 +449,7 @@ def per_seed_goal(by: dict[str, list[dict]]) -> None:
     trl = {r["seed"]: r for r in by["trl"]}
     for r in (r for r in by["arealite"] if r["seed"] in trl):
         budget_min, target = trl[r["seed"]]["accuracy_by_minute"][-1]
-        t = next((m for m, a in r["accuracy_by_minute"] if a >= target), None)
+        t = next((m for m, a in r["accuracy_by_minute"] if reaches(a, target)), None)
         frac = round(t / budget_min, 2) if t is not None else None
         emit(
             "goal_per_seed",

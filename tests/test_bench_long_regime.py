@@ -8,6 +8,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
@@ -190,3 +191,13 @@ def test_within_half_reads_a_synchronous_time_of_zero_as_a_time():
     """A synchronous run whose first evaluation was already at the target took 0 s, not 'never'."""
     assert not long_regime.within_half(50.0, 0.0, 400.0)
     assert long_regime.within_half(0.0, 0.0, 400.0) and not long_regime.within_half(None, None, 1)
+
+
+def test_an_accuracy_equal_to_the_level_reaches_it_even_through_float32():
+    """228 of 400 logged through float32 reads 0.5699999928: still a tie with 0.57."""
+    tie = float(torch.tensor(228 / 400, dtype=torch.float32))
+    assert tie < 0.57
+    curve = [(0.0, 0, 0.5), (150.0, 40, tie), (300.0, 80, 0.58)]
+    assert long_regime.first_reaching(curve, 0.57) == (150.0, 40)
+    assert long_regime.first_reaching(curve, 0.5701) == (300.0, 80)
+    assert long_regime.first_reaching([(0.0, 0, None)], 0.1) == (None, None)

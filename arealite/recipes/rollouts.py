@@ -184,7 +184,10 @@ class Evaluation:
             if pool is not None:  # an evaluation in which every reward call failed stops the run
                 pool.end_step("evaluation")
             rewards = batch["rewards"]
-            correct = torch.tensor([float(rewards.sum()), float(rewards.numel())])
+            # float64: 228 of 400 is 0.57, not float32's 0.5699999928 (a level missed by a tie)
+            correct = torch.tensor(
+                [float(rewards.sum()), float(rewards.numel())], dtype=torch.float64
+            )
             if world > 1:
                 dist.all_reduce(correct)
             return (correct[0] / correct[1].clamp(min=1)).item()
