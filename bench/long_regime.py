@@ -207,6 +207,11 @@ def within_half(t_async: float | None, t_sync: float | None, sync_budget: float)
     return t_async <= (sync_budget if t_sync is None else t_sync) / 2
 
 
+def crossings(sync: dict, run: dict, level: float, curve: str) -> tuple:
+    """(synchronous, asynchronous) seconds to `level` on `curve` (None: never, or no curve)."""
+    return tuple(first_reaching(x.get(curve, []), level)[0] for x in (sync, run))
+
+
 def async_vs_sync(results: list[dict], levels: list[float]) -> None:
     """Part a's figures: per seed and eta, sync / async for time to the target (and to each of
     `levels`: one evaluation's +-2 points make a single crossing coarse) and steps/s. A seed's
@@ -219,13 +224,14 @@ def async_vs_sync(results: list[dict], levels: list[float]) -> None:
         base = sync.get(r["seed"])
         if base is None or r["loss"] != "decoupled" or r["minibatches"] != 1 or r["eta"] == 0:
             continue
-        t_sync, t_async = base["time_to_target_s"], r["time_to_target_s"]
+        # Read from the curves, not the runs' stored times: a report reads old runs as today.
+        t_sync, t_async = crossings(base, r, r["target"], "accuracy_curve")
         by_level = {}
         for level in levels:
-            ts, ta = (first_reaching(x["accuracy_curve"], level)[0] for x in (base, r))
+            ts, ta = crossings(base, r, level, "accuracy_curve")
             by_level[str(level)] = {"sync_s": ts, "async_s": ta, "async_over_sync": _ratio(ta, ts)}
             if "training_clock_curve" in r and "training_clock_curve" in base:
-                ts, ta = (first_reaching(x["training_clock_curve"], level)[0] for x in (base, r))
+                ts, ta = crossings(base, r, level, "training_clock_curve")
                 by_level[str(level)]["training_clock"] = _ratio(ta, ts)
         emit(
             "async_vs_sync",
@@ -236,10 +242,7 @@ def async_vs_sync(results: list[dict], levels: list[float]) -> None:
             sync_time_to_target_s=t_sync,
             async_time_to_target_s=t_async,
             time_ratio_sync_over_async=_ratio(t_sync, t_async),
-            training_clock_ratio=_ratio(
-                base.get("time_to_target_training_clock_s"),
-                r.get("time_to_target_training_clock_s"),
-            ),
+            training_clock_ratio=_ratio(*crossings(base, r, r["target"], "training_clock_curve")),
             async_time_fraction_by_level=by_level,
             steps_per_s_ratio=_ratio(r["steps_per_s"], base["steps_per_s"]),
             eval_s=(r.get("eval_s"), base.get("eval_s")),

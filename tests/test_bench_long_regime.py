@@ -201,3 +201,14 @@ def test_an_accuracy_equal_to_the_level_reaches_it_even_through_float32():
     assert long_regime.first_reaching(curve, 0.57) == (150.0, 40)
     assert long_regime.first_reaching(curve, 0.5701) == (300.0, 80)
     assert long_regime.first_reaching([(0.0, 0, None)], 0.1) == (None, None)
+
+
+def test_the_report_reads_each_crossing_from_the_curve(tmp_path, monkeypatch, capsys):
+    """A run stored before the tie fix holds a later time than its curve shows; the report
+    reads the curve."""
+    tie = float(torch.tensor(0.8, dtype=torch.float32))
+    sync = _result("eta0_decoupled_mb1", 400.0, [[0, 0, 0.7], [200, 60, tie], [300, 90, 0.85]], 0.3)
+    sync["time_to_target_s"] = 300  # what the float32 comparison stored
+    rows = [sync, _result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [90, 40, 0.81]], 0.5)]
+    pair = _report_pair(rows, tmp_path, monkeypatch, capsys)
+    assert pair["sync_time_to_target_s"] == 200 and pair["within_half"]
