@@ -176,8 +176,10 @@ def launch_for(
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             time.sleep(2)
-            recs = [] if ends_itself else read_jsonl(metrics)
-            if any(r.get("eval/accuracy") is not None and r["wall_time"] >= budget_s for r in recs):
+            if not ends_itself and any(
+                r.get("eval/accuracy") is not None and r["wall_time"] >= budget_s
+                for r in read_jsonl(metrics)
+            ):
                 break
             if time.monotonic() - t0 > budget_s + grace_s:
                 break  # an evaluation that never comes must not hang the bench
