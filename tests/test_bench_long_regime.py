@@ -212,3 +212,20 @@ def test_the_report_reads_each_crossing_from_the_curve(tmp_path, monkeypatch, ca
     rows = [sync, _result("eta2_decoupled_mb1_inplace", 300.0, [[0, 0, 0.7], [90, 40, 0.81]], 0.5)]
     pair = _report_pair(rows, tmp_path, monkeypatch, capsys)
     assert pair["sync_time_to_target_s"] == 200 and pair["within_half"]
+
+
+@pytest.mark.parametrize("goal, within", [(1 / 2, False), (2 / 3, True)])
+def test_part_bs_verdict_holds_arealite_to_the_goal_it_is_given(capsys, goal, within):
+    """Part b's goal on long_sums is half TRL's time, the short task's two thirds: a crossing at
+    0.53 of TRL's time meets one and not the other."""
+    import json
+
+    import vs_trl
+
+    trl = {"system": "trl", "seed": 3, "accuracy_by_minute": [[0.0, 0.51], [10.0, 0.54]]}
+    curve = [[0.0, 0.50], [4.3, 0.52], [5.3, 0.55], [10.5, 0.53]]
+    arealite = {"system": "arealite", "seed": 3, "accuracy_by_minute": curve}
+    vs_trl.per_seed_goal({"trl": [trl], "arealite": [arealite]}, goal)
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert line["fraction_of_trl_time"] == 0.53 and line["within_goal"] is within
+    assert line["goal_fraction"] == round(goal, 3)
