@@ -24,8 +24,9 @@ Parts (`--parts a,b,c`):
      the trainer, for longer in an asynchronous run, whose server also serves rollouts);
   b. TRL's GRPOTrainer (bench/vs_trl.py, same batch, lr, max length, warm start) vs arealite
      (this config and its server, plus `--arealite-args`) for `--trl-minutes`: time to TRL's
-     final accuracy as a fraction of TRL's time, per seed (TRL's clock leaves out its own
-     evaluations; arealite's includes its, which run on its server);
+     final accuracy as a fraction of TRL's time, per seed, on arealite's wall clock (TRL's
+     clock leaves out its own evaluations; arealite's includes its, which run on its server)
+     and on its training clock (less them); resumable from WORKDIR/part_b.jsonl;
   c. the staleness ablation: eta in {0, 2, 4, 8, 16} x {decoupled, naive} x minibatches {1, 4},
      plus `unclipped` at eta 4 and 8: accuracy, behaviour KL(behaviour || current), spread of the
      importance weights, clipped and capped fractions.
@@ -33,8 +34,9 @@ Every run also reports the regime: output length p50 / p90 / max, share of token
 older policy, share of sequences resumed across a weight update, server busy share and rows per
 batched step.
 
-Output: JSON lines (results.jsonl in the workdir is the resume file: a run found there is not
-re-run), tables, and WORKDIR/long_regime.png (accuracy vs wall time per arm and seed).
+Output: JSON lines (results.jsonl in the workdir is parts a and c's resume file, part_b.jsonl
+part b's: a run found there is not re-run), tables, and WORKDIR/long_regime.png (accuracy vs
+wall time per arm and seed).
 --quick: seed 1, 180 s runs; part a eta 0 vs 4, part c eta 4 x {decoupled, naive} x {1, 4}
 minibatches, part b 5 minutes each.
 
@@ -314,28 +316,38 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def vs_trl(model: str, args) -> None:
-    """Part b: TRL and arealite (this config, its server) on long_sums, seed by seed."""
-    task, runs = TASKS["long_sums"], []
+def vs_trl(model: str | None, args) -> None:
+    """Part b: TRL and arealite (this config, its server) on long_sums, seed by seed. Each run's
+    figures go to part_b.jsonl, its resume file (a run found there for these minutes is not
+    re-run; --report compares those there)."""
+    task, path = TASKS["long_sums"], os.path.join(args.workdir, "part_b.jsonl")
+    done = {
+        (r["system"], r["seed"]): r for r in read_jsonl(path) if r["minutes"] == args.trl_minutes
+    }
+    runners = {
+        "trl": lambda seed: run_trl(
+            model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr, task_name="long_sums"
+        ),
+        "arealite": lambda seed: run_arealite(
+            model,
+            seed,
+            args.trl_minutes,
+            args.workdir,
+            0,
+            extra=args.arealite_args.split(),
+            lr=args.lr,
+            task=task,
+        ),
+    }
     for seed in args.seeds:
-        runs.append(
-            run_trl(
-                model, seed, args.trl_minutes, args.workdir, 0, lr=args.lr, task_name="long_sums"
-            )
-        )
-        runs.append(
-            run_arealite(
-                model,
-                seed,
-                args.trl_minutes,
-                args.workdir,
-                0,
-                extra=args.arealite_args.split(),
-                lr=args.lr,
-                task=task,
-            )
-        )
-    compare(runs, task.levels, goal=1 / 2)  # the issue's goal on this task: half TRL's time
+        for system, runner in runners.items():
+            if (system, seed) not in done and not args.report:
+                done[system, seed] = {**runner(seed), "minutes": args.trl_minutes}
+                with open(path, "a") as f:
+                    f.write(json.dumps(done[system, seed]) + "\n")
+    runs = [r for (_, seed), r in done.items() if seed in args.seeds]
+    if runs:
+        compare(runs, task.levels, goal=1 / 2)  # the issue's goal on this task: half TRL's time
 
 
 def warm_start(args) -> str:
@@ -401,6 +413,7 @@ def main() -> None:
     args = parse_args()
     emit_machine(workdir=args.workdir)
     found = read_jsonl(os.path.join(args.workdir, "results.jsonl"))
+    model = None
     if args.report:
         results = [r for r in found if r["arm"] in args.arms and r["seed"] in args.seeds]
     else:
@@ -412,7 +425,7 @@ def main() -> None:
         async_vs_sync(results, args.levels)
         arm_table(results)
         plot(results, os.path.join(args.workdir, "long_regime.png"))
-    if "b" in args.parts and not args.report:
+    if "b" in args.parts:
         vs_trl(model, args)
     emit("done", workdir=args.workdir, runs=len(results))
 

@@ -229,3 +229,64 @@ def test_part_bs_verdict_holds_arealite_to_the_goal_it_is_given(capsys, goal, wi
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["fraction_of_trl_time"] == 0.53 and line["within_goal"] is within
     assert line["goal_fraction"] == round(goal, 3)
+
+
+def test_part_b_reports_the_goal_on_arealites_training_clock_too(capsys):
+    """arealite's clock includes its evaluations and TRL's does not: the per-seed figure is also
+    read on arealite's training clock, while the verdict stays on the wall clock."""
+    import json
+
+    import vs_trl
+
+    trl = {"system": "trl", "seed": 3, "accuracy_by_minute": [[0.0, 0.51], [10.0, 0.54]]}
+    arealite = {
+        "system": "arealite",
+        "seed": 3,
+        "accuracy_by_minute": [[0.0, 0.50], [5.3, 0.55]],
+        "accuracy_by_training_minute": [[0.0, 0.50], [4.2, 0.55]],
+    }
+    vs_trl.per_seed_goal({"trl": [trl], "arealite": [arealite]}, 1 / 2)
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert line["fraction_of_trl_time"] == 0.53 and line["fraction_on_training_clock"] == 0.42
+    assert line["within_goal"] is False
+
+
+def test_part_b_resumes_from_its_own_file_and_reports_from_it(tmp_path, monkeypatch, capsys):
+    """A part b cut short re-runs only the runs missing from part_b.jsonl (here seed 2's), and
+    --report compares those stored without running anything."""
+    import json
+
+    import vs_trl
+
+    def stored(system, seed, final):
+        steps = 200 if system == "arealite" else 60
+        levels = long_regime.TASKS["long_sums"].levels
+        run = vs_trl.summarize(system, seed, [(0, 0.5), (600, final)], steps, 600, 1, 1, levels)
+        return {**run, "minutes": 10.0}
+
+    (tmp_path / "part_b.jsonl").write_text(
+        "".join(json.dumps(stored(s, 1, 0.55)) + "\n" for s in ("trl", "arealite"))
+    )
+    ran = []
+
+    def fake_run(system):
+        def run(model, seed, *a, **kw):
+            ran.append((system, seed))
+            return {k: v for k, v in stored(system, seed, 0.6).items() if k != "minutes"}
+
+        return run
+
+    monkeypatch.setattr(long_regime, "run_trl", fake_run("trl"))
+    monkeypatch.setattr(long_regime, "run_arealite", fake_run("arealite"))
+    monkeypatch.setattr(long_regime, "require_trl", lambda: None)
+    argv = ["long_regime.py", "--parts", "b", "--seeds", "1,2", "--workdir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--model-path", "m"])
+    long_regime.main()
+    assert ran == [("trl", 2), ("arealite", 2)]
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", [*argv, "--report"])
+    long_regime.main()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert ran == [("trl", 2), ("arealite", 2)]  # --report ran nothing
+    goals = {x["seed"]: x for x in lines if x["figure"] == "goal_per_seed"}
+    assert goals[1]["trl_final_accuracy"] == 0.55 and goals[2]["trl_final_accuracy"] == 0.6
