@@ -441,10 +441,8 @@ def time_to_trl_final(by: dict[str, list[dict]], goal: float) -> None:
     TRL's last evaluation), against TRL's whole budget; ratio > 1: arealite got there sooner."""
     target = statistics.mean(r["accuracy_by_minute"][-1][1] for r in by["trl"])
     budget = statistics.mean(r["accuracy_by_minute"][-1][0] for r in by["trl"]) * 60
-    times = [
-        next((round(m * 60, 1) for m, a in r["accuracy_by_minute"] if reaches(a, target)), None)
-        for r in by["arealite"]
-    ]
+    minutes = [first_minute(r["accuracy_by_minute"], target) for r in by["arealite"]]
+    times = [None if m is None else round(m * 60, 1) for m in minutes]
     reached = None not in times and statistics.mean(times) > 0  # 0: the warm start was there
     emit(
         "time_to_trl_final_accuracy",
