@@ -2,8 +2,8 @@
 `mode: rollout_only` records without a trainer, `mode: train_only` trains on a recording with
 no inference server and reproduces the online run's first update.
 
-Launcher runs (~60 s on 2 cores): one online GRPO step recording its batch, the same step
-replayed by train_only, one rollout_only step.
+Launcher runs (~80 s on 2 cores): one online GRPO step recording its batch, the same step
+replayed by train_only, two rollout_only steps, and a rollout_only run ended by the clock.
 """
 
 from __future__ import annotations
@@ -199,10 +199,32 @@ def test_rollout_only_records_without_a_trainer(tmp_path, tiny_model_dir):
     )
     replay = RecordedBatches(str(record), 0)
     assert replay.n_steps == 2
-    for step in (0, 1):
+    for step in range(replay.n_steps):
         batch = replay.batch(step)
         assert batch.batch_size[0] == PROMPTS * SAMPLES
         assert bool((batch["versions"][batch["loss_mask"].bool()] == 0).all())
     run_dir = tmp_path / "rr" / "ro"
     assert not (run_dir / "checkpoints").exists()  # no trainer: nothing to save
     assert [r["rollout/episodes_recorded"] for r in metrics(str(run_dir))] == [16, 16]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_rollout_only_ends_by_the_clock(tmp_path, tiny_model_dir):
+    """total_train_secs ends a rollout_only run as it ends a training run: the step during
+    which the budget ran out is recorded and is the last (not the 100 steps asked for)."""
+    record = tmp_path / "rec"
+    launch(
+        overrides(
+            str(tmp_path),
+            "clock",
+            tiny_model_dir,
+            "mode=rollout_only",
+            f"rollout.record={record}",
+            "total_train_steps=100",
+            "total_train_secs=0.001",
+        )
+    )
+    assert RecordedBatches(str(record), 0).n_steps == 1
+    run_dir = tmp_path / "rr" / "clock"
+    assert [r["rollout/episodes_recorded"] for r in metrics(str(run_dir))] == [16]

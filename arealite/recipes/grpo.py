@@ -245,13 +245,21 @@ def log_trained_items(path: str, step: int, rows: list) -> None:
 
 def record_rollouts(run: GRPORun) -> None:
     """mode rollout_only: generate, score and record the run's batches; no trainer (the policy
-    never changes, so the staleness bound is lifted)."""
+    never changes, so the staleness bound is lifted). It ends after total_train_steps, or with
+    the step during which total_train_secs ran out, as a training run does."""
     config, ft_spec = run.config, run.ft_spec
     rollouts = ServerRollouts(run, bounded=False)
     total_steps = ft_spec.total_train_steps
+    time_budget = TimeBudget(config.total_train_secs)
     logger = StatsLogger(
-        config.stats_logger, config.run_dir, ft_spec, total_steps=total_steps, exp_config=config
+        config.stats_logger,
+        config.run_dir,
+        ft_spec,
+        total_steps=total_steps,
+        exp_config=config,
+        time_budget=time_budget,
     )
+    time_budget.start()
     for global_step in range(total_steps):
         with timings.record_timing("rollout"):
             batch, rows = rollouts.next_batch(global_step)
@@ -259,6 +267,8 @@ def record_rollouts(run: GRPORun) -> None:
         stats.update(timings.export())
         stats.update(rollouts.stats())
         logger.commit(*divmod(global_step, ft_spec.steps_per_epoch), global_step, stats)
+        if time_budget.spent(global_step):
+            break
     logger.close()
     run.recorder.close()
     rollouts.destroy()
