@@ -34,10 +34,14 @@ def emit_machine(**extra) -> None:
     """The `machine` figure every bench starts with: the CPU, and how quiet it is. With the
     kernel's autogroup on, a niced process in another session still takes an equal share of
     the cores (a 1024^3 fp32 matmul here fell from 172 to 64 GFLOP/s beside niced tests), so a
-    busy machine is said on stderr before any timing."""
+    busy machine is said on stderr before any timing. Busy is the cores in use over the last
+    half second: the 1-minute load average still counts a run that ended a minute ago."""
+    import psutil
+
     from arealite.utils.hardware import cpu_summary
 
-    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    busy_cores = psutil.cpu_percent(interval=0.5) / 100 * cores
     try:
         with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
             autogroup = f.read().strip() == "1"
@@ -45,15 +49,16 @@ def emit_machine(**extra) -> None:
         autogroup = None
     emit(
         "machine",
-        cores=os.cpu_count(),
-        load_1min=round(load, 2),
+        cores=cores,
+        busy_cores=round(busy_cores, 2),
+        load_1min=round(os.getloadavg()[0], 2),
         autogroup=autogroup,
         **cpu_summary(),
         **extra,
     )
-    if load > 0.5 * (os.cpu_count() or 1):
+    if busy_cores > 0.5:
         print(
-            f"warning: load average {load:.1f} on {os.cpu_count()} cores before the bench: "
+            f"warning: {busy_cores:.1f} of {cores} cores busy before the bench: "
             "timings will be low"
             + (" (autogroup is on: nice does not isolate other sessions)" if autogroup else ""),
             file=sys.stderr,
@@ -151,6 +156,19 @@ def run_figures(recs: list[dict], decoupled: bool) -> dict:
     }
 
 
+def ends_by_the_clock(budget_s: float, eval_secs: float) -> list[str]:
+    """Overrides for a run that ends itself after `budget_s` seconds of training
+    (total_train_secs: the step it runs out in evaluates), evaluating every `eval_secs` of
+    wall time and saving no checkpoints: arms compared at equal wall clock."""
+    return [
+        "total_train_steps=100000",
+        f"total_train_secs={budget_s}",
+        "evaluator.freq_steps=null",
+        f"evaluator.freq_secs={eval_secs}",
+        "saver.freq_steps=null",
+    ]
+
+
 def launch_for(
     config: str,
     overrides: list[str],
@@ -158,16 +176,15 @@ def launch_for(
     log_path: str,
     budget_s: float,
     grace_s: float = 300.0,
-    ends_itself: bool = False,
 ) -> list[dict]:
     """examples/grpo.py through the local launcher; returns the run's records from `metrics`
-    (its metrics.jsonl). It ends itself when `ends_itself` (overrides with total_train_secs =
-    `budget_s`: the last step evaluates and the export follows); otherwise it is stopped by
-    SIGTERM once an evaluation past `budget_s` of its wall time is logged. Either way it is
-    stopped `grace_s` past the budget. An earlier attempt's metrics are removed: runs start
-    afresh."""
+    (its metrics.jsonl). A run given `ends_by_the_clock`'s overrides ends itself (its last step
+    evaluates and the export follows); otherwise it is stopped by SIGTERM once an evaluation
+    past `budget_s` of its wall time is logged. Either way it is stopped `grace_s` past the
+    budget. An earlier attempt's metrics are removed: runs start afresh."""
     import signal
 
+    ends_itself = any(o.startswith("total_train_secs=") for o in overrides)
     if os.path.exists(metrics):
         os.remove(metrics)
     cmd = launcher_command("grpo.py", config, overrides)

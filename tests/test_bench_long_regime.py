@@ -83,14 +83,27 @@ def test_the_machine_figure_says_how_busy_the_cpu_is(capsys, monkeypatch):
     import json
 
     import bench_io
+    import psutil
 
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 90.0)
     bench_io.emit_machine(workdir="/w")
     out = capsys.readouterr()
     line = json.loads(out.out)
-    assert line["figure"] == "machine" and line["load_1min"] == 9.0 and line["workdir"] == "/w"
-    assert "cpu" in line and "autogroup" in line
-    assert "load average 9.0" in out.err and "timings will be low" in out.err
+    assert line["figure"] == "machine" and line["workdir"] == "/w"
+    assert line["busy_cores"] == round(0.9 * os.cpu_count(), 2)
+    assert "cpu" in line and "autogroup" in line and "load_1min" in line
+    assert "cores busy before the bench" in out.err and "timings will be low" in out.err
+
+
+def test_a_run_that_just_ended_is_no_busy_machine(capsys, monkeypatch):
+    """The load average still counts the last minute's run; the cores are idle now."""
+    import bench_io
+    import psutil
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 2.0)
+    bench_io.emit_machine()
+    assert capsys.readouterr().err == ""
 
 
 def test_by_length_counts_a_right_number_on_wrong_work_as_lucky():
