@@ -55,7 +55,14 @@ import statistics
 from typing import NamedTuple
 
 import bench_io
-from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
+from bench_io import (
+    emit,
+    emit_machine,
+    ends_by_the_clock,
+    launch_for,
+    make_workdir,
+    read_jsonl,
+)
 from e2e_async_vs_sync import build_warm_start
 from vs_trl import TASKS, compare, require_trl, run_arealite, run_trl
 
@@ -120,12 +127,8 @@ def arm_overrides(arm: str, seed: int, model: str, args) -> list[str]:
         f"trial_name={arm}_s{seed}",
         f"actor.path={model}",
         f"seed={seed}",
-        "total_train_steps=100000",  # the run ends by the clock, with a last evaluation
-        f"total_train_secs={args.budget}",
+        *ends_by_the_clock(args.budget, args.eval_secs),
         "total_train_epochs=1000",
-        "saver.freq_steps=null",
-        "evaluator.freq_steps=null",
-        f"evaluator.freq_secs={args.eval_secs}",
         f"rollout.max_head_offpolicyness={eta}",
         f"actor.ppo_n_minibatches={mb}",
         f"rollout.pause_mode={pause_mode}",
@@ -192,7 +195,6 @@ def run(arm: str, seed: int, model: str, args, done: dict) -> dict:
             os.path.join(args.workdir, "long-regime", name, "metrics.jsonl"),
             os.path.join(args.workdir, f"{name}.log"),
             args.budget,
-            ends_itself=True,
         )
         done[key] = summarize_run(arm, seed, recs, args)
         with open(os.path.join(args.workdir, "results.jsonl"), "a") as f:

@@ -40,7 +40,14 @@ import os
 import statistics
 
 import bench_io
-from bench_io import emit, emit_machine, launch_for, make_workdir, read_jsonl
+from bench_io import (
+    emit,
+    emit_machine,
+    ends_by_the_clock,
+    launch_for,
+    make_workdir,
+    read_jsonl,
+)
 from e2e_async_vs_sync import build_warm_start
 
 ETAS = (0, 1, 2, 4, 8)
@@ -60,11 +67,7 @@ def arm_overrides(
         f"trial_name={arm}_s{seed}",
         f"actor.path={model}",
         f"seed={seed}",
-        "total_train_steps=100000",  # the run ends by the clock, with a last evaluation
-        f"total_train_secs={budget}",
-        "evaluator.freq_steps=null",
-        f"evaluator.freq_secs={eval_secs}",
-        "saver.freq_steps=null",
+        *ends_by_the_clock(budget, eval_secs),
         # A time budget, not a step count: a constant lr (the demo's decays over its 130 steps).
         "actor.optimizer.lr=1e-4",
         "actor.optimizer.lr_scheduler_type=constant",
@@ -83,7 +86,6 @@ def run_arm(arm: str, seed: int, model: str, args) -> list[dict]:
         os.path.join(args.workdir, "staleness", run, "metrics.jsonl"),
         os.path.join(args.workdir, f"{run}.log"),
         args.budget,
-        ends_itself=True,
     )
 
 
