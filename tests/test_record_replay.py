@@ -8,6 +8,7 @@ replayed by train_only, two rollout_only steps, and a rollout_only run ended by 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -149,6 +150,29 @@ def test_recording_rebuilds_the_batch_exactly(tmp_path):
             assert torch.equal(
                 got[k], expected[k][:, : got[k].shape[1]] if got[k].ndim > 1 else expected[k]
             ), k
+
+
+def _steps_to_train(record_dir: str, rank: int) -> int:
+    from arealite.recipes.rollouts import RecordedRollouts
+
+    return RecordedRollouts(RecordedBatches(record_dir, rank, 2)).n_steps
+
+
+def test_every_rank_trains_the_steps_all_ranks_recorded(tmp_path):
+    """Rank 0 recorded 3 steps, rank 1 2 (its run ended by the clock a step sooner): both
+    train 2, so no rank enters a step's collectives alone."""
+    from test_stats import on_two_ranks
+
+    batch = pad_sequences_to_tensors(
+        [{"input_ids": torch.arange(4) + 3, "rewards": torch.tensor(1.0)}]
+    )
+    for rank, steps in ((0, 3), (1, 2)):
+        rec = EpisodeRecorder(str(tmp_path / "rec"), rank, str)
+        for step in range(steps):
+            rec.write(step, batch, [{"query_id": "a"}])
+        rec.close()
+    decide = functools.partial(_steps_to_train, str(tmp_path / "rec"))
+    assert on_two_ranks(decide, tmp_path) == [2, 2]
 
 
 # --------------------------------------------------------------------------- launcher runs

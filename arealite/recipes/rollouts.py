@@ -20,6 +20,7 @@ from arealite.rollout import WorkflowExecutor
 from arealite.rollout.group_filter import InformativeGroupFilter
 from arealite.rollout.record import RecordedBatches
 from arealite.rollout.server_load import ServerLoadMeter
+from arealite.utils.distributed import all_gather_int
 
 REWARD_IN_POOL = None  # a workflow's `reward_fn`: the reward runs in its `reward_pool` instead
 UNBOUNDED = 10**6  # a staleness bound no run reaches
@@ -114,7 +115,9 @@ class RecordedRollouts:
 
     def __init__(self, recording: RecordedBatches):
         self.recording = recording
-        self.n_steps = recording.n_steps  # the run stops at the recording's end
+        # The run stops at the recording's end: the steps every rank holds (ranks recorded by a
+        # run ended by the clock or cut short may differ by a step; none may train alone).
+        self.n_steps = min(all_gather_int(recording.n_steps))
 
     def next_batch(self, step: int):
         rows = [{"query_id": q} for q in self.recording.query_ids(step)]
