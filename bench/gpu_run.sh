@@ -78,28 +78,30 @@ MODEL=$W/qwen05b_shapes
 if [ "$MODE" = long ]; then  # issue 41's GPU part; every arealite run shares the GPU
   GPU_ARGS=${GPU_ARGS-cluster.n_gpus_per_node=1 cluster.share_gpus=true weight_update=tensor}
   SFT_DEVICE_ARGS=${SFT_DEVICE_ARGS-cluster.n_gpus_per_node=1} VS_DEVICE_FLAG=${VS_DEVICE_FLAG---gpu}
-  SFT_STEPS=${LONG_SFT_STEPS:-240}  # ~0.4 s/step on an H200
+  SFT_STEPS=${LONG_SFT_STEPS:-200}  # 0.31-0.33 s/step on an H200 (93 s with start and save)
   stage model "$T_MODEL" $PY -m arealite.testing.tiny_model "$MODEL" ${MODEL_ARGS---qwen2.5-0.5b-shapes}
-  # The decoding step alone, before anything is trained: GRPO groups (8 rows a prompt) against
-  # distinct prompts, for a 4-layer tiny model and the 0.5B shapes, with the profiler's tables.
-  stage tiny_model 60 $PY -m arealite.testing.tiny_model "$W/tiny"
-  for run in ${DECODE_RUNS:-tiny:8 qwen05b_shapes:8}; do  # MODEL:ROWS_A_PROMPT
+  # The decoding step alone, before anything is trained (GRPO groups of ROWS_A_PROMPT rows), with
+  # the profiler's tables: the long regime's steps are the server's decode steps.
+  DECODE_RUNS=${DECODE_RUNS:-qwen05b_shapes:8}  # MODEL:ROWS_A_PROMPT; MODEL tiny builds a 4-layer one
+  [[ " $DECODE_RUNS" == *" tiny:"* ]] && stage tiny_model 60 $PY -m arealite.testing.tiny_model "$W/tiny"
+  for run in $DECODE_RUNS; do
     m=${run%%:*} s=${run##*:}
-    stage "decode_${m}_s$s" "${T_DECODE:-45}" $PY bench/server_decode_profile.py "$W/$m" \
+    stage "decode_${m}_s$s" "${T_DECODE:-35}" $PY bench/server_decode_profile.py "$W/$m" \
       --samples "$s" --max-new ${DECODE_MAX_NEW:-128} --profile-steps 10
   done
-  stage long_sft "${T_LONG_SFT:-140}" $PY -m arealite.launcher.local examples/sft.py \
+  stage long_sft "${T_LONG_SFT:-110}" $PY -m arealite.launcher.local examples/sft.py \
     --config examples/configs/long_sums_sft.yaml cluster.fileroot="$W" model.path="$MODEL" \
     $SFT_DEVICE_ARGS total_train_steps=$SFT_STEPS \
     train_dataset.options.size=$((SFT_STEPS * 32)) model.optimizer.lr=${LONG_SFT_LR:-3e-4}
   SFT=$(ls -d "$W"/long-sums-sft/demo/checkpoints/final/*/ 2>/dev/null | tail -n 1)
   need_sft long_sft
-  stage long_a "${T_LONG_A:-200}" $PY bench/long_regime.py --parts a --seeds 1 \
+  # Each 60-s arm takes ~125 s on an H200: 15-20 s an evaluation, plus start and stop.
+  stage long_a "${T_LONG_A:-280}" $PY bench/long_regime.py --parts a --seeds 1 \
     --arms ${LONG_ARMS:-eta0_decoupled_mb1,eta4_decoupled_mb1} --budget ${LONG_BUDGET:-60} \
-    --eval-secs ${LONG_EVAL_SECS:-20} --target-gain 0.10 --model-path "$SFT" \
+    --eval-secs ${LONG_EVAL_SECS:-30} --target-gain 0.10 --model-path "$SFT" \
     --workdir "$W/long_a" --arealite-args "$GPU_ARGS"
   # TRL alone for LONG_TRL_MIN minutes: long_a's eta 4 run is arealite's arm of the comparison.
-  stage long_b "${T_LONG_B:-130}" $PY bench/vs_trl.py --task long_sums $VS_DEVICE_FLAG \
+  stage long_b "${T_LONG_B:-115}" $PY bench/vs_trl.py --task long_sums $VS_DEVICE_FLAG \
     --model-path "$SFT" --seeds 1 --minutes ${LONG_TRL_MIN:-1} --steps 0 --lr 1e-5 \
     --systems trl --workdir "$W/long_b"
   echo "== figures"
