@@ -33,6 +33,7 @@ Needs the `bench` extra (`pip install -e .[bench]`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -246,6 +247,17 @@ def run_trl(
     )
 
 
+def trl_sampling_precision(device: str, dtype):
+    """What TRL samples in: accelerate wraps the policy's forward in autocast to `dtype` (bf16
+    where native) only when train() prepares it, so without this TRL's first evaluation runs in
+    fp32 and the later ones in bf16: a change of precision inside TRL's accuracy curve."""
+    import torch
+
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype)
+
+
 def trl_child(
     model: str,
     seed: int,
@@ -291,7 +303,7 @@ def trl_child(
         ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         policy.eval()
-        with torch.no_grad():
+        with torch.no_grad(), trl_sampling_precision(device, dtype):
             gen = policy.generate(
                 **enc,
                 max_new_tokens=task.new_tokens,

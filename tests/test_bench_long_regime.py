@@ -303,3 +303,27 @@ def test_part_b_resumes_from_its_own_file_and_reports_from_it(tmp_path, monkeypa
     assert ran == [("trl", 2), ("arealite", 2)]  # --report ran nothing
     goals = {x["seed"]: x for x in lines if x["figure"] == "goal_per_seed"}
     assert goals[1]["trl_final_accuracy"] == 0.55 and goals[2]["trl_final_accuracy"] == 0.6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_trls_evaluations_compute_as_its_prepared_policy_samples(dtype):
+    """TRL's accuracy curve is read in one precision: the first evaluation (before train()
+    prepares the policy) runs in the autocast accelerate gives the prepared policy later."""
+    import vs_trl
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    class Probe(torch.nn.Module):  # records the autocast state its forward runs under
+        def forward(self, x):
+            on = torch.is_autocast_enabled("cpu")
+            return on, torch.get_autocast_dtype("cpu") if on else torch.float32
+
+    mixed = "bf16" if dtype == torch.bfloat16 else "no"
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton
+    try:
+        prepared = Accelerator(mixed_precision=mixed, cpu=True).prepare(Probe())
+        with vs_trl.trl_sampling_precision("cpu", dtype):
+            evaluated = Probe()(torch.zeros(1))
+        assert evaluated == prepared(torch.zeros(1)) == (dtype != torch.float32, dtype)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
