@@ -31,7 +31,7 @@ run)
   python3 -c "import torch, transformers, datasets, trl, tensordict
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'datasets',
       datasets.__version__, 'trl', trl.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$OUT/versions.txt"
-  # The limit leaves the packing below its time inside a 600-s call.
+  # 555 s: the run and the packing below fit one 600-s call.
   timeout -k 5 "${LEASE_SECS:-555}" bash bench/gpu_run.sh /tmp/gpu_run_logs "$MODE" 2>&1 | tee "$OUT/gpu_run.log"
   tar czf "$OUT/logs.tgz" -C /tmp gpu_run_logs
   tar czf "$OUT/runs.tgz" -C "$GPU_RUN_DIR" --exclude='*.safetensors' --exclude='*.bin' \
