@@ -29,7 +29,9 @@ Parts (`--parts a,b,c`):
      and on its training clock (less them); resumable from WORKDIR/part_b.jsonl;
   c. the staleness ablation: eta in {0, 2, 4, 8, 16} x {decoupled, naive} x minibatches {1, 4},
      plus `unclipped` at eta 4 and 8: accuracy, behaviour KL(behaviour || current), spread of the
-     importance weights, clipped and capped fractions.
+     importance weights, clipped and capped fractions; per eta and minibatch count, decoupled's
+     change in held-out accuracy against naive's over the seeds, and the goal's verdict
+     (decoupled ahead by more than the seeds' spread, naive ahead, or inside it).
 Every run also reports the regime: output length p50 / p90 / max, share of tokens sampled by an
 older policy, share of sequences resumed across a weight update, server busy share and rows per
 batched step.
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 from typing import NamedTuple
@@ -293,6 +296,100 @@ def arm_table(results: list[dict]) -> None:
         print(f"| {arm} | {len(rs)} | " + " | ".join(cells) + " |", flush=True)
 
 
+def evaluation_answers() -> int:
+    """Answers one held-out evaluation of CONFIG grades: problems x samples each."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(os.path.join(bench_io.EXAMPLES, "configs", CONFIG))
+    return cfg.valid_dataset.options.size * cfg.evaluator.n_samples
+
+
+def change_noise(accuracy: float, answers: int) -> float:
+    """The std of one run's change (end - start) from its two evaluations' sampling alone:
+    sqrt(2) x a binomial std over the evaluation's answers (the same warm start read 72.9-76.0%
+    in four evaluations of 800). A floor on the seeds' spread, which two or three seeds can
+    underestimate."""
+    return math.sqrt(2 * accuracy * (1 - accuracy) / answers)
+
+
+def decoupled_vs_naive(results: list[dict], answers: int) -> list[dict]:
+    """Part c's goal per eta and minibatch count: decoupled's change in held-out accuracy (end -
+    start, each arm from its own first evaluation of the same warm start) against naive's at the
+    seeds both ran. Decoupled beats naive when the mean gap exceeds the spread: the larger std
+    over seeds of the two arms' changes, and at least `change_noise`; with one seed there is no
+    spread and no verdict."""
+    by_setting: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for r in results:
+        setting = (r["eta"], r["minibatches"], r.get("pause_mode", "abort"))
+        by_setting.setdefault(setting, {}).setdefault(r["loss"], {})[r["seed"]] = r
+    rows = []
+    for (eta, mb, pause_mode), by_loss in sorted(by_setting.items()):
+        runs = {loss: by_loss.get(loss, {}) for loss in ("decoupled", "naive")}
+        seeds = sorted(runs["decoupled"].keys() & runs["naive"].keys())
+        if not seeds:
+            continue
+        change = {
+            loss: [runs[loss][s]["acc_end"] - runs[loss][s]["acc_before"] for s in seeds]
+            for loss in runs
+        }
+        kl = {loss: statistics.mean(runs[loss][s]["behave_kl_k1"] for s in seeds) for loss in runs}
+        gap = statistics.mean(change["decoupled"]) - statistics.mean(change["naive"])
+        accuracy = statistics.mean(r["acc_before"] for arm in runs.values() for r in arm.values())
+        spread = None
+        if len(seeds) > 1:
+            stds = [statistics.stdev(change[loss]) for loss in runs]
+            spread = max(*stds, change_noise(accuracy, answers))
+        if spread is None:
+            verdict = "one seed"
+        elif abs(gap) <= spread:
+            verdict = "inside the spread"
+        else:
+            verdict = "decoupled ahead" if gap > 0 else "naive ahead"
+        rows.append(
+            dict(
+                eta=eta,
+                minibatches=mb,
+                pause_mode=pause_mode,
+                seeds=seeds,
+                decoupled_change=[round(c, 4) for c in change["decoupled"]],
+                naive_change=[round(c, 4) for c in change["naive"]],
+                decoupled_wins=sum(d > n for d, n in zip(change["decoupled"], change["naive"])),
+                mean_gap=round(gap, 4),
+                spread=None if spread is None else round(spread, 4),
+                behave_kl_ratio=_ratio(kl["decoupled"], kl["naive"]),
+                verdict=verdict,
+            )
+        )
+    return rows
+
+
+def _points(changes: list[float]) -> str:
+    return " / ".join(f"{100 * c:+.1f}" for c in changes)
+
+
+def print_decoupled_vs_naive(rows: list[dict]) -> None:
+    """The verdicts as JSON lines and a markdown table, in points of held-out accuracy."""
+    if rows:
+        print(
+            "| eta | mb | decoupled change | naive change | decoupled ahead | gap (spread) ", end=""
+        )
+        print("| KL decoupled / naive | verdict |\n" + "|---" * 8 + "|")
+    for row in rows:
+        emit("decoupled_vs_naive", **row)
+        spread = "-" if row["spread"] is None else f"{100 * row['spread']:.1f}"
+        cells = [
+            row["eta"],
+            row["minibatches"],
+            _points(row["decoupled_change"]),
+            _points(row["naive_change"]),
+            f"{row['decoupled_wins']} of {len(row['seeds'])} seeds",
+            f"{100 * row['mean_gap']:+.1f} ({spread})",
+            row["behave_kl_ratio"] or "-",
+            row["verdict"],
+        ]
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -426,6 +523,7 @@ def main() -> None:
     if results:
         async_vs_sync(results, args.levels)
         arm_table(results)
+        print_decoupled_vs_naive(decoupled_vs_naive(results, evaluation_answers()))
         plot(results, os.path.join(args.workdir, "long_regime.png"))
     if "b" in args.parts:
         vs_trl(model, args)

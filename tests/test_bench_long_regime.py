@@ -79,6 +79,49 @@ def test_a_run_summary_reads_the_regime_and_the_target():
     assert s["capped_frac"] == pytest.approx(0.02) and s["interrupted_requests"] == 12.0
 
 
+def _part_c_run(loss: str, eta: int, seed: int, before: float, end: float) -> dict:
+    kl = 0.004 if loss == "decoupled" else 0.002
+    return dict(
+        eta=eta,
+        minibatches=4,
+        loss=loss,
+        seed=seed,
+        acc_before=before,
+        acc_end=end,
+        behave_kl_k1=kl,
+    )
+
+
+def test_part_c_verdict_needs_a_gap_beyond_the_seeds_and_the_evaluations_noise():
+    runs = [
+        # eta 16: naive ahead by 10 points, seeds agree
+        *(_part_c_run("decoupled", 16, s, 0.50, 0.41 + 0.01 * s) for s in (1, 2, 3)),
+        *(_part_c_run("naive", 16, s, 0.50, 0.52) for s in (1, 2, 3)),
+        # eta 8: 2 points apart with identical seeds: under one evaluation's noise on a change
+        *(_part_c_run("decoupled", 8, s, 0.50, 0.53) for s in (1, 2)),
+        *(_part_c_run("naive", 8, s, 0.50, 0.51) for s in (1, 2)),
+        # eta 4: decoupled ahead by 6 points, but its seeds spread by 10
+        _part_c_run("decoupled", 4, 1, 0.50, 0.62),
+        _part_c_run("decoupled", 4, 2, 0.50, 0.48),
+        *(_part_c_run("naive", 4, s, 0.50, 0.49) for s in (1, 2)),
+        # eta 2: one seed in common, no verdict; the unpaired seed 2 is left out
+        _part_c_run("decoupled", 2, 1, 0.50, 0.40),
+        *(_part_c_run("naive", 2, s, 0.50, 0.55) for s in (1, 2)),
+        # an arm with no naive pair has no row
+        dict(_part_c_run("naive", 0, 1, 0.5, 0.5), loss="unclipped"),
+    ]
+    rows = {r["eta"]: r for r in long_regime.decoupled_vs_naive(runs, answers=800)}
+    assert sorted(rows) == [2, 4, 8, 16]
+    assert rows[16]["verdict"] == "naive ahead" and rows[16]["decoupled_wins"] == 0
+    assert rows[16]["mean_gap"] == pytest.approx(-0.09) and rows[16]["behave_kl_ratio"] == 2.0
+    assert rows[8]["spread"] == pytest.approx(long_regime.change_noise(0.5, 800), abs=1e-4)
+    assert rows[8]["verdict"] == "inside the spread" and rows[8]["decoupled_wins"] == 2
+    assert rows[4]["verdict"] == "inside the spread" and rows[4]["spread"] == pytest.approx(0.099)
+    assert rows[2]["verdict"] == "one seed" and rows[2]["seeds"] == [1]
+    assert rows[2]["naive_change"] == [pytest.approx(0.05)]
+    assert long_regime.evaluation_answers() == 800  # 200 held-out problems x avg@4
+
+
 def test_the_machine_figure_says_how_busy_the_cpu_is(capsys, monkeypatch):
     import json
 
