@@ -369,11 +369,10 @@ def _points(changes: list[float]) -> str:
 
 def print_decoupled_vs_naive(rows: list[dict]) -> None:
     """The verdicts as JSON lines and a markdown table, in points of held-out accuracy."""
+    columns = ("eta", "mb", "decoupled change", "naive change", "decoupled ahead")
+    columns += ("gap (spread)", "KL decoupled / naive", "verdict")
     if rows:
-        print(
-            "| eta | mb | decoupled change | naive change | decoupled ahead | gap (spread) ", end=""
-        )
-        print("| KL decoupled / naive | verdict |\n" + "|---" * 8 + "|")
+        print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for row in rows:
         emit("decoupled_vs_naive", **row)
         spread = "-" if row["spread"] is None else f"{100 * row['spread']:.1f}"

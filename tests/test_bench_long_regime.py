@@ -92,7 +92,7 @@ def _part_c_run(loss: str, eta: int, seed: int, before: float, end: float) -> di
     )
 
 
-def test_part_c_verdict_needs_a_gap_beyond_the_seeds_and_the_evaluations_noise():
+def test_part_c_verdict_needs_a_gap_beyond_the_seeds_and_the_evaluations_noise(capsys):
     runs = [
         # eta 16: naive ahead by 10 points, seeds agree
         *(_part_c_run("decoupled", 16, s, 0.50, 0.41 + 0.01 * s) for s in (1, 2, 3)),
@@ -120,6 +120,13 @@ def test_part_c_verdict_needs_a_gap_beyond_the_seeds_and_the_evaluations_noise()
     assert rows[2]["verdict"] == "one seed" and rows[2]["seeds"] == [1]
     assert rows[2]["naive_change"] == [pytest.approx(0.05)]
     assert long_regime.evaluation_answers() == 800  # 200 held-out problems x avg@4
+    long_regime.print_decoupled_vs_naive([rows[16]])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| eta | mb |") and table[1] == "|---" * 8 + "|"
+    assert (
+        table[2]
+        == "| 16 | 4 | -8.0 / -7.0 / -6.0 | +2.0 / +2.0 / +2.0 | 0 of 3 seeds | -9.0 (2.5) | 2.0 | naive ahead |"
+    )
 
 
 def test_the_machine_figure_says_how_busy_the_cpu_is(capsys, monkeypatch):
