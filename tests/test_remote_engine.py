@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 import threading
@@ -417,3 +418,25 @@ def test_a_server_serving_older_weights_than_loaded_elsewhere_is_taken_out(tiny_
         client.destroy()
         a.stop()
         b.stop()
+
+
+def test_quick_weight_loads_log_at_info_only_the_first_time(
+    engine, tiny_model_dir, monkeypatch, caplog
+):
+    """One INFO line a step would bury a CPU run's progress lines; the first load and any slow
+    one still say it."""
+    from arealite.inference import remote_weights
+
+    def load(version: int) -> None:
+        engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=version)).result(
+            60
+        )
+
+    with caplog.at_level(logging.DEBUG, logger="arealite.remote"):
+        monkeypatch.setattr(remote_weights, "SLOW_LOAD_S", 600.0)  # every load here is quick
+        for version in (1000, 1001, 1002):  # past the versions earlier tests loaded
+            load(version)
+        monkeypatch.setattr(remote_weights, "SLOW_LOAD_S", 0.0)  # every load here is slow
+        load(1003)
+    levels = [r.levelno for r in caplog.records if "loaded on 1 server(s)" in r.getMessage()]
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO]

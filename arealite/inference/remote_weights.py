@@ -22,6 +22,11 @@ from arealite.inference.server_pool import NoServerAvailable, ServerPool
 
 logger = logging.getLogger("arealite.remote")
 
+# A weight load slower than this gets a log line at INFO. Quicker ones after the first (every
+# step of a CPU run, in-memory GPU updates) go to DEBUG, where one a step would bury the
+# progress lines; `timeperf/update_weights` records every load's seconds.
+SLOW_LOAD_S = 1.0
+
 
 class WeightClient(Protocol):
     """What weight updates need of their client (RemoteInferenceEngine): its servers and the
@@ -96,12 +101,15 @@ class WeightUpdates:
                 finally:
                     c.gen_allowed.set()
             c.counters["weight_updates"] += 1
-            logger.info(
+            seconds = time.perf_counter() - start
+            quiet = c.counters["weight_updates"] > 1 and seconds < SLOW_LOAD_S
+            logger.log(
+                logging.DEBUG if quiet else logging.INFO,
                 "weights v%d (%s) loaded on %d server(s) in %.2fs",
                 meta.version,
                 meta.type,
                 len(c.pool.alive()),
-                time.perf_counter() - start,
+                seconds,
             )
 
     async def _pause_and_load(self, meta: WeightUpdateMeta) -> None:
