@@ -428,9 +428,8 @@ def test_quick_weight_loads_log_at_info_only_the_first_time(
     from arealite.inference import remote_weights
 
     def load(version: int) -> None:
-        engine.update_weights(WeightUpdateMeta.from_disk(tiny_model_dir, version=version)).result(
-            60
-        )
+        meta = WeightUpdateMeta.from_disk(tiny_model_dir, version=version)
+        engine.update_weights(meta).result(timeout=60)
 
     with caplog.at_level(logging.DEBUG, logger="arealite.remote"):
         monkeypatch.setattr(remote_weights, "SLOW_LOAD_S", 600.0)  # every load here is quick
